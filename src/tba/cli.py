@@ -1,0 +1,84 @@
+"""The `tba` command line.
+
+    tba train [CONFIG.yaml] [key=value ...]     train (default: the embedded math task)
+    tba pretrain [CONFIG.yaml] [key=value ...]  build the built-in base policy (cached)
+    tba config [CONFIG.yaml] [key=value ...]    print the resolved configuration
+
+Bad input (unknown key, wrong type, out-of-range value, missing or malformed file) prints one line
+naming the problem and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from tba.config import ConfigError, dump_config, load_config
+
+
+def _quiet_libraries() -> None:
+    """We configure these libraries ourselves; their warnings and progress bars are noise here."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tba", description="Trajectory Balance with Asynchrony")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in [
+        ("train", "train a policy with TB (default: the embedded math task)"),
+        ("pretrain", "build the built-in base policy"),
+        ("config", "print the resolved configuration"),
+    ]:
+        command = commands.add_parser(name, help=text, description=text)
+        command.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    return parser
+
+
+def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """The first argument is a config file when it names a YAML file or an existing path."""
+    if args and (args[0].endswith((".yaml", ".yml")) or Path(args[0]).exists()):
+        return args[0], args[1:]
+    return None, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = _parser().parse_args(argv)
+    path, overrides = _split_args(options.args)
+    try:
+        config = load_config(path, overrides)
+        if options.command == "config":
+            print(dump_config(config), end="")
+            return 0
+        _quiet_libraries()
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        if options.command == "pretrain":
+            from tba.base_policy import resolve_policy
+
+            path = resolve_policy("builtin:math", config.pretrain, config.seed, console.log)
+            console.log(f"base policy ready: {path}")
+            return 0
+        from tba.run import train
+
+        run_dir = train(config, console)
+        console.log(f"done: {run_dir}")
+        return 0
+    except (ConfigError, FileExistsError, FileNotFoundError) as error:
+        print(f"tba: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tba: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

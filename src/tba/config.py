@@ -1,0 +1,213 @@
+"""Typed run configuration: YAML files plus `key=value` overrides, validated by pydantic.
+
+Every section is a plain model with unknown keys forbidden, so a typo is an error, not a silently
+ignored setting. `load_config` raises `ConfigError` with one line naming the key and what is
+allowed; the CLI prints that line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, file or override; the message is one line meant for users."""
+
+
+class Section(BaseModel):
+    # strict: `true` is not a number and `"8"` is not an int; a typo must not pass as a value.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+
+
+class PolicyConfig(Section):
+    model: str = Field(
+        "builtin:math",
+        description="`builtin:math` (the embedded tiny policy, built on first use) or a "
+        "directory saved with `save_pretrained`",
+    )
+    device: str = Field("auto", description="`auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`")
+    temperature: float = Field(
+        1.0, gt=0, description="sampling temperature, also used in log-probs"
+    )
+    max_new_tokens: int = Field(40, ge=1, description="response length limit, EOS included")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all)")
+
+
+class PretrainConfig(Section):
+    """How the built-in base policy is made (`tba pretrain`)."""
+
+    num_examples: int = Field(4000, ge=1, description="worked solutions in the limited SFT set")
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    cache_dir: str = Field("~/.cache/tba", description="where built-in base policies are kept")
+
+
+class TaskConfig(Section):
+    name: Literal["math"] = "math"
+    num_train: int = Field(5000, ge=1, description="training prompts")
+    num_eval: int = Field(256, ge=1, description="held-out problems for greedy pass@1")
+    num_eval_pass_k: int = Field(128, ge=1, description="held-out problems for pass@k")
+
+
+class TrainConfig(Section):
+    mode: Literal["sync"] = Field("sync", description="sync: generate, then train on exactly that")
+    loss: Literal["tb"] = "tb"
+    max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
+    max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
+    learning_rate: float = Field(1e-4, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    num_prompts: int = Field(8, ge=1, description="B: prompts (groups) per batch")
+    group_size: int = Field(16, ge=2, description="K: responses per prompt in a batch")
+    samples_per_prompt: int | None = Field(
+        None, ge=2, description="S >= K: responses generated per prompt visit (default: K)"
+    )
+    beta: float = Field(0.05, gt=0, description="KL coefficient; the start value when annealed")
+    beta_end: float | None = Field(None, gt=0, description="anneal beta linearly to this value")
+    beta_start_frac: float = Field(0.0, ge=0, le=1, description="anneal starts at this fraction")
+    beta_end_frac: float = Field(1.0, ge=0, le=1, description="anneal ends at this fraction")
+    sync_every: int = Field(1, ge=1, description="k: optimizer steps between weight syncs")
+    truncated: Literal["penalize", "drop"] = Field(
+        "penalize", description="responses without EOS: reward `truncation_penalty`, or drop"
+    )
+    truncation_penalty: float = -1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.samples_per_prompt is not None and self.samples_per_prompt < self.group_size:
+            raise ValueError(
+                f"samples_per_prompt ({self.samples_per_prompt}) must be >= group_size "
+                f"({self.group_size})"
+            )
+        if self.beta_start_frac > self.beta_end_frac:
+            raise ValueError("beta_start_frac must be <= beta_end_frac")
+        return self
+
+
+class BufferConfig(Section):
+    capacity: int = Field(20000, ge=1, description="samples kept; oldest weight version evicted")
+    per_prompt_capacity: int | None = Field(None, ge=1)
+    recent_prob: float = Field(
+        1.0, ge=0, le=1, description="m: probability a group comes from the latest weight version"
+    )
+    reward_weight: float = Field(
+        0.0, ge=0, le=1, description="replay: weight of softmax(r/T) against uniform"
+    )
+    reward_temperature: float = Field(1.0, gt=0, description="replay: T in softmax(r/T)")
+
+
+class EvalConfig(Section):
+    every: int = Field(25, ge=1, description="evaluate held-out greedy pass@1 every N steps")
+    pass_k: int = Field(16, ge=1, description="k of the pass@k reported at start and end")
+
+
+class RunConfig(Section):
+    seed: int = 0
+    output_dir: str | None = Field(None, description="run directory (default: runs/<timestamp>)")
+    policy: PolicyConfig = PolicyConfig()
+    pretrain: PretrainConfig = PretrainConfig()
+    task: TaskConfig = TaskConfig()
+    train: TrainConfig = TrainConfig()
+    buffer: BufferConfig = BufferConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Defaults, then the YAML file (if any), then `a.b=value` overrides (values parsed as YAML)."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_nested(data, key, value)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_first_error_line(error)) from None
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-4` as a string; read it as the float every user means."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = _parse_yaml(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"malformed YAML in {path}{where}: {getattr(error, 'problem', error)}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like key=value (e.g. train.beta=0.05)")
+    try:
+        value = _parse_yaml(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _set_nested(data: dict[str, Any], dotted_key: str, value: Any) -> None:
+    *parents, leaf = dotted_key.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted_key}: {part} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _first_error_line(error: ValidationError) -> str:
+    """One line: the dotted key, what is wrong, and what was given."""
+    first = error.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "config"
+    if first["type"] == "extra_forbidden":
+        parent = ".".join(str(part) for part in first["loc"][:-1])
+        allowed = sorted(_section_fields(parent))
+        return f"unknown config key {key!r}; allowed here: {', '.join(allowed)}"
+    message = first["msg"].removeprefix("Value error, ")
+    given = first.get("input")
+    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    return f"invalid value for {key}: {message}{shown}"
+
+
+def _section_fields(dotted: str) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for part in filter(None, dotted.split(".")):
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(), sort_keys=False)

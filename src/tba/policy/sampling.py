@@ -1,0 +1,94 @@
+"""Batched sampling with a KV cache.
+
+Prompts are left-padded so that every row's next token sits in the last column; each decoding step
+feeds one token per row and reuses the cache. The behaviour log-prob of a response is the sum of
+`log_softmax(logits / temperature)` over its sampled tokens, EOS included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+
+@dataclass
+class Generation:
+    response_ids: list[list[int]]  # EOS included when the response ended
+    logps: list[float]  # behaviour log-prob of each response at the sampling temperature
+    truncated: list[bool]  # hit max_new_tokens without EOS
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device):
+    """(input_ids, attention_mask, position_ids) for left-padded sequences."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.tensor(seq)
+        mask[row, width - len(seq) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    *,
+    eos_id: int,
+    pad_id: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Sample one response per prompt (repeat a prompt in `prompts` to get several)."""
+    device = next(model.parameters()).device
+    ids, mask, positions = left_pad(prompts, pad_id, device)
+    was_training = model.training
+    model.eval()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache, logits = out.past_key_values, out.logits[:, -1]
+    next_position = positions[:, -1] + 1
+
+    n = len(prompts)
+    tokens = torch.empty((n, 0), dtype=torch.long, device=device)
+    logps = torch.zeros(n, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
+    for step in range(max_new_tokens):
+        log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+        if greedy:
+            token = log_probs.argmax(-1)
+        else:
+            token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        logps += torch.where(done, 0.0, log_probs.gather(-1, token[:, None]).squeeze(-1))
+        tokens = torch.cat([tokens, token[:, None]], dim=1)
+        finished_now = ~done & (token == eos_id)
+        lengths = torch.where(finished_now, step + 1, lengths)
+        done |= finished_now
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_position[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        next_position = next_position + 1
+    model.train(was_training)
+
+    rows = tokens.tolist()
+    lengths_list = lengths.tolist()
+    done_list = done.tolist()
+    return Generation(
+        response_ids=[row[:length] for row, length in zip(rows, lengths_list)],
+        logps=logps.tolist(),
+        truncated=[not d for d in done_list],
+    )

@@ -1,0 +1,165 @@
+"""`tba train`: wire task, searcher, buffer and trainer, and record everything in a run directory.
+
+Data flows one way: prompts -> searcher -> buffer -> trainer -> weights -> searcher. In the
+synchronous on-policy mode each step generates a batch with the latest weights, adds it to the
+buffer, trains on exactly those samples, and publishes the new weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import AutoTokenizer
+
+from tba.base_policy import resolve_policy
+from tba.buffer import ReplayBuffer, Sample, batch_staleness
+from tba.config import RunConfig, dump_config
+from tba.evaluation import greedy_pass_at_1, sampled_pass_at_k
+from tba.objectives import BetaSchedule
+from tba.policy.model import load_model, resolve_device
+from tba.rundir import MetricsLog, create_run_dir, plot_curves, read_metrics
+from tba.searcher import Searcher, SearchSettings
+from tba.tasks import Task, build_task
+from tba.trainer import Trainer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def group_by_prompt(samples: list[Sample]) -> list[list[Sample]]:
+    """On-policy groups: every prompt's samples from one generation call (groups of >= 2)."""
+    groups: dict[int, list[Sample]] = defaultdict(list)
+    for sample in samples:
+        groups[sample.prompt_id].append(sample)
+    return [group for group in groups.values() if len(group) >= 2]
+
+
+def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -> dict[str, float]:
+    result = {
+        "eval_pass@1": greedy_pass_at_1(
+            model, tokenizer, task.eval_rows, task.correct_fn,
+            max_new_tokens=config.policy.max_new_tokens,
+        )
+    }  # fmt: skip
+    if pass_k:
+        result |= sampled_pass_at_k(
+            model, tokenizer, task.eval_rows[: config.task.num_eval_pass_k], task.correct_fn,
+            k=config.eval.pass_k, max_new_tokens=config.policy.max_new_tokens,
+            temperature=config.policy.temperature, seed=config.seed,
+        )  # fmt: skip
+    return result
+
+
+def train(config: RunConfig, console: Console | None = None) -> Path:
+    console = console or Console(stderr=True)
+    run_dir = create_run_dir(config.output_dir)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    if config.policy.num_threads:
+        torch.set_num_threads(config.policy.num_threads)
+    seed_everything(config.seed)
+    device = resolve_device(config.policy.device)
+
+    policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    task = build_task(
+        config.task.name, num_train=config.task.num_train, num_eval=config.task.num_eval,
+        seed=config.seed,
+    )  # fmt: skip
+    tc = config.train
+    searcher = Searcher(
+        load_model(str(policy_dir), device),
+        tokenizer,
+        task.train_rows,
+        task.reward_fns,
+        SearchSettings(
+            samples_per_prompt=tc.samples_per_prompt or tc.group_size,
+            temperature=config.policy.temperature,
+            max_new_tokens=config.policy.max_new_tokens,
+            truncated=tc.truncated,
+            truncation_penalty=tc.truncation_penalty,
+        ),
+        seed=config.seed,
+    )
+    trainer = Trainer(
+        load_model(str(policy_dir), device),
+        pad_id=tokenizer.pad_token_id,
+        temperature=config.policy.temperature,
+        learning_rate=tc.learning_rate,
+        max_grad_norm=tc.max_grad_norm,
+    )
+    buffer = ReplayBuffer(config.buffer.capacity, config.buffer.per_prompt_capacity)
+    beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
+
+    console.log(f"run directory: {run_dir}")
+    base = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+    console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    metrics.write({"step": 0, "time": 0.0, **base})
+
+    max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
+    start = time.time()
+    last_eval = base
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+        TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
+        transient=False,
+    )  # fmt: skip
+    with progress:
+        bar = progress.add_task("train", total=tc.max_steps, status="")
+        for step in range(1, tc.max_steps + 1):
+            elapsed = time.time() - start
+            if elapsed >= max_seconds:
+                break
+            run_fraction = max((step - 1) / tc.max_steps, elapsed / max_seconds)
+            if (step - 1) % tc.sync_every == 0:
+                searcher.set_weights(*trainer.publish())
+            samples, gen_stats = searcher.generate(tc.num_prompts)
+            buffer.add(samples)
+            groups = group_by_prompt(samples)
+            beta = beta_at(run_fraction)
+            record = {
+                "step": step,
+                "beta": beta,
+                "reward_mean": float(np.mean([s.reward for g in groups for s in g])),
+                **trainer.step(groups, beta),
+                **gen_stats,
+                "buffer_size": len(buffer),
+                "staleness_mean": batch_staleness(groups, trainer.version)["mean"],
+                "staleness_max": batch_staleness(groups, trainer.version)["max"],
+            }
+            if step % config.eval.every == 0:
+                last_eval = evaluate(trainer.model, tokenizer, task, config, pass_k=False)
+                record |= last_eval
+            record["time"] = time.time() - start
+            metrics.write(record)
+            progress.update(
+                bar, completed=step,
+                status=f"reward {record['reward_mean']:.2f}  pass@1 {last_eval['eval_pass@1']:.3f}",
+            )  # fmt: skip
+
+    final = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+    metrics.write({"step": trainer.step_count, "time": time.time() - start, **final})
+    metrics.close()
+    summary = {
+        "base": base,
+        "final": final,
+        "steps": trainer.step_count,
+        "train_minutes": (time.time() - start) / 60,
+    }
+    (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
+    trainer.model.save_pretrained(run_dir / "final")
+    tokenizer.save_pretrained(run_dir / "final")
+    plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", "tba train")
+    console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    return run_dir

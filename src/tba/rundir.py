@@ -1,0 +1,78 @@
+"""What a run leaves behind: one directory with config, metrics, evaluation, plot, checkpoint.
+
+<run_dir>/config.yaml      the resolved configuration
+<run_dir>/metrics.jsonl    one JSON object per optimizer step (eval fields when evaluated)
+<run_dir>/eval.json        base and final evaluation
+<run_dir>/curves.png       held-out pass@1 and mean reward against wall-clock minutes
+<run_dir>/final/           the trained policy, loadable with `from_pretrained`
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def create_run_dir(output_dir: str | None) -> Path:
+    path = Path(output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if (path / "metrics.jsonl").exists():
+        raise FileExistsError(
+            f"run directory {path} already holds a run; choose another output_dir"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class MetricsLog:
+    """Appends one JSON line per record and flushes, so a killed run keeps what it logged."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
+    """Held-out greedy pass@1 and batch mean reward against wall-clock minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    evals = [r for r in records if "eval_pass@1" in r]
+    steps = [r for r in records if "reward_mean" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(
+        [r["time"] / 60 for r in evals],
+        [r["eval_pass@1"] for r in evals],
+        "o-",
+        color="tab:blue",
+        label="held-out greedy pass@1",
+    )
+    ax.plot(
+        [r["time"] / 60 for r in steps],
+        [r["reward_mean"] for r in steps],
+        color="tab:orange",
+        alpha=0.5,
+        label="batch mean reward",
+    )
+    ax.set_xlabel("wall-clock minutes")
+    ax.set_ylabel("accuracy / reward")
+    ax.set_ylim(min(0.0, *(r["reward_mean"] for r in steps)) if steps else 0.0, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

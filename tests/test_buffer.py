@@ -1,0 +1,372 @@
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from tba.buffer import ReplayBuffer, Sample, batch_staleness
+
+_counter = itertools.count()
+
+
+def make(prompt_id: int, version: int, reward: float = 0.0) -> Sample:
+    """A sample whose response_ids hold a unique tag, so samples are identifiable after load."""
+    return Sample(
+        prompt_id=prompt_id,
+        prompt_ids=[1, 2, prompt_id],
+        response_ids=[next(_counter)],
+        reward=reward,
+        ref_logp=-1.5,
+        behaviour_logp=-1.25,
+        version=version,
+    )
+
+
+def tag(s: Sample) -> int:
+    return s.response_ids[0]
+
+
+def inclusion_probs(rewards: list[float], k: int, weight: float, temp: float) -> np.ndarray:
+    """Exact per-sample inclusion probability of the sequential mixture draw (enumeration)."""
+    n = len(rewards)
+    incl = np.zeros(n)
+    for order in itertools.permutations(range(n), k):
+        p, remaining = 1.0, list(range(n))
+        for i in order:
+            soft = np.exp([rewards[j] / temp for j in remaining])
+            mix = weight * soft / soft.sum() + (1 - weight) / len(remaining)
+            p *= mix[remaining.index(i)]
+            remaining.remove(i)
+        incl[list(order)] += p
+    return incl
+
+
+def sample_one_prompt(rewards, weight, temp, num_groups=4000, k=2, seed=0):
+    buf = ReplayBuffer(100)
+    samples = [make(0, 0, r) for r in rewards]
+    buf.add(samples)
+    groups = buf.sample(
+        num_groups,
+        k,
+        np.random.default_rng(seed),
+        recent_prob=0.0,
+        reward_weight=weight,
+        reward_temperature=temp,
+    )
+    index = {tag(s): i for i, s in enumerate(samples)}
+    return [[index[tag(s)] for s in g] for g in groups]
+
+
+# ------------------------------------------------------------------------------ MOP frequencies
+
+
+@pytest.mark.parametrize("recent_prob", [0.0, 0.3, 0.95, 1.0])
+def test_recent_fraction_matches_recent_prob(recent_prob):
+    # One prompt has exactly K=2 latest-version samples plus 20 old ones; 50 prompts are old.
+    # A group counts as recent when all its samples are latest-version; replay only yields that
+    # by picking the recent prompt (1/51) and both latest samples (1/C(22, 2)).
+    buf = ReplayBuffer(10_000)
+    buf.add([make(0, 0) for _ in range(20)] + [make(0, 1), make(0, 1)])
+    buf.add([make(p, 0) for p in range(1, 51) for _ in range(4)])
+    rng = np.random.default_rng(123)
+    n = 4000
+    recent = sum(
+        all(s.version == 1 for s in buf.sample(1, 2, rng, recent_prob=recent_prob)[0])
+        for _ in range(n)
+    )
+    p = recent_prob + (1 - recent_prob) / (51 * math.comb(22, 2))
+    tol = 4 * math.sqrt(n * p * (1 - p)) + 2
+    assert abs(recent - n * p) <= tol
+
+
+# ---------------------------------------------------------------------------- replay mixture
+
+
+def test_replay_uniform_when_reward_weight_zero():
+    rewards = [0.0, 1.0, 2.0, 5.0]
+    groups = sample_one_prompt(rewards, weight=0.0, temp=1.0)
+    first = np.bincount([g[0] for g in groups], minlength=4)
+    expected = len(groups) / 4
+    chi2 = float(((first - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27  # chi-square, 3 dof, p = 0.001
+    incl = np.bincount([i for g in groups for i in g], minlength=4) / len(groups)
+    np.testing.assert_allclose(incl, 0.5, atol=4 * math.sqrt(0.25 / len(groups)))
+
+
+def test_replay_reward_prioritised_at_low_temperature():
+    rewards = [0.0, 1.0, 2.0, 3.0]
+    groups = sample_one_prompt(rewards, weight=1.0, temp=0.05)
+    top_two = sum(sorted(g) == [2, 3] for g in groups)
+    assert top_two / len(groups) > 0.99
+    assert sum(g[0] == 3 for g in groups) / len(groups) > 0.99
+
+
+def test_replay_mixture_matches_exact_inclusion_and_lies_in_between():
+    rewards = [0.0, 1.0, 2.0, 3.0]
+    n = 4000
+    observed = {}
+    for weight in (0.0, 0.5, 1.0):
+        groups = sample_one_prompt(rewards, weight=weight, temp=1.0, num_groups=n, seed=7)
+        observed[weight] = np.bincount([i for g in groups for i in g], minlength=4) / n
+        exact = inclusion_probs(rewards, 2, weight, 1.0)
+        tol = 4 * np.sqrt(exact * (1 - exact) / n) + 1e-3
+        assert np.all(np.abs(observed[weight] - exact) <= tol)
+    # The highest-reward sample is included more often as the reward weight grows.
+    assert observed[0.0][3] < observed[0.5][3] < observed[1.0][3]
+
+
+def test_replay_softmax_is_numerically_stable():
+    groups = sample_one_prompt([1e6, 2e6, 3e6], weight=1.0, temp=1e-3, num_groups=50)
+    assert all(sorted(g) == [1, 2] for g in groups)
+
+
+# ----------------------------------------------------------------------------- recent branch
+
+
+def test_recent_group_is_k_newest_latest_version_samples():
+    buf = ReplayBuffer(1000)
+    old = [make(0, 1) for _ in range(3)]
+    latest = [make(0, 3) for _ in range(5)]
+    # Interleave versions so insertion order and version order disagree.
+    buf.add([latest[0], old[0], latest[1], make(0, 2), latest[2], old[1], latest[3], latest[4]])
+    buf.add([make(1, 2) for _ in range(6)])
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        (group,) = buf.sample(1, 3, rng, recent_prob=1.0)
+        assert [tag(s) for s in group] == [tag(s) for s in latest[:1:-1]]
+
+
+def test_recent_group_fills_with_newest_older_samples():
+    buf = ReplayBuffer(1000)
+    a, b, c, d = make(0, 1), make(0, 2), make(0, 1), make(0, 3)
+    buf.add([a, b, c, d])
+    (group,) = buf.sample(1, 3, np.random.default_rng(0), recent_prob=1.0)
+    assert [tag(s) for s in group] == [tag(d), tag(b), tag(c)]
+
+
+def test_recent_prefers_prompts_with_k_latest_samples():
+    buf = ReplayBuffer(1000)
+    buf.add([make(0, 5)] + [make(0, 4) for _ in range(5)])  # 1 latest sample
+    buf.add([make(1, 5) for _ in range(3)])  # 3 latest samples
+    groups = buf.sample(30, 3, np.random.default_rng(0), recent_prob=1.0)
+    assert all(s.prompt_id == 1 and s.version == 5 for g in groups for s in g)
+
+
+# ---------------------------------------------------------------------------------- eviction
+
+
+def tags(buf: ReplayBuffer, prompt_id: int | None = None) -> set[int]:
+    return {
+        entry[1]["response_ids"][0]
+        for pid, entries in buf.state_dict()["prompts"]
+        if prompt_id is None or pid == prompt_id
+        for entry in entries
+    }
+
+
+def test_eviction_oldest_version_then_oldest_insertion():
+    buf = ReplayBuffer(4)
+    s = [make(0, 2), make(1, 1), make(0, 1), make(2, 3), make(1, 2)]
+    assert buf.add(s) == 1  # s[1] and s[2] share the oldest version; s[1] was inserted first
+    assert len(buf) == 4
+    assert tags(buf) == {tag(s[0]), tag(s[2]), tag(s[3]), tag(s[4])}
+    new = [make(2, 4), make(1, 0)]
+    assert buf.add(new) == 2  # the just-added v0 sample, then s[2] (v1)
+    assert tags(buf) == {tag(s[0]), tag(s[3]), tag(s[4]), tag(new[0])}
+    newest = make(3, 5)
+    assert buf.add([newest]) == 1  # s[0] and s[4] are both v2; s[0] is older
+    assert tags(buf) == {tag(s[3]), tag(s[4]), tag(new[0]), tag(newest)}
+    assert (len(buf), buf.num_prompts, buf.latest_version) == (4, 3, 5)
+
+
+def test_per_prompt_capacity_evicts_oldest_within_prompt():
+    buf = ReplayBuffer(100, per_prompt_capacity=3)
+    p0 = [make(0, 1), make(0, 0), make(0, 2), make(0, 0)]
+    other = [make(1, 0) for _ in range(3)]
+    assert buf.add(p0 + other) == 1  # p0[1]: oldest version, inserted before p0[3]
+    assert tags(buf, 0) == {tag(p0[0]), tag(p0[2]), tag(p0[3])}
+    newest = make(0, 3)
+    assert buf.add([newest]) == 1
+    assert tags(buf, 0) == {tag(p0[0]), tag(p0[2]), tag(newest)}
+    assert tags(buf, 1) == {tag(x) for x in other}
+    assert len(buf) == 6
+
+
+def test_add_is_fast_at_scale():
+    samples = [make(i % 3000, i // 5000) for i in range(100_000)]
+    buf = ReplayBuffer(20_000, per_prompt_capacity=16)
+    start = time.perf_counter()
+    evicted = sum(buf.add(samples[i : i + 500]) for i in range(0, len(samples), 500))
+    elapsed = time.perf_counter() - start
+    assert len(buf) <= 20_000 and evicted == 100_000 - len(buf)
+    assert buf.staleness(19)["max"] <= 19
+    assert elapsed < 2.0
+
+
+# -------------------------------------------------------------------------------- edge cases
+
+
+@pytest.mark.parametrize("recent_prob", [0.0, 1.0])
+def test_prompt_with_fewer_than_k_samples_is_filled(recent_prob):
+    buf = ReplayBuffer(100)
+    samples = [make(0, 0), make(0, 1), make(0, 1)]
+    buf.add(samples)
+    for group in buf.sample(50, 5, np.random.default_rng(1), recent_prob=recent_prob):
+        assert len(group) == 5
+        assert {tag(s) for s in group} == {tag(s) for s in samples}
+
+
+def test_replay_prefers_prompts_with_k_samples():
+    buf = ReplayBuffer(100)
+    buf.add([make(0, 0) for _ in range(2)] + [make(1, 0) for _ in range(3)])
+    groups = buf.sample(20, 3, np.random.default_rng(0), recent_prob=0.0)
+    assert all(s.prompt_id == 1 for g in groups for s in g)
+
+
+def test_recent_prob_one_without_usable_latest_samples_falls_back_to_replay():
+    buf = ReplayBuffer(100)
+    buf.add([make(0, 0) for _ in range(4)])
+    buf.add([make(1, 1)])  # only latest-version sample is a lone one
+    for group in buf.sample(20, 2, np.random.default_rng(0), recent_prob=1.0):
+        assert len({tag(s) for s in group}) == 2
+        assert all(s.prompt_id == 0 for s in group)
+
+
+def test_single_sample_prompts_only_when_nothing_better():
+    buf = ReplayBuffer(100)
+    buf.add([make(0, 0), make(1, 1)])
+    for group in buf.sample(4, 3, np.random.default_rng(0), recent_prob=0.5):
+        assert len(group) == 3 and len({tag(s) for s in group}) == 1
+
+
+def test_empty_buffer_raises():
+    with pytest.raises(ValueError, match="empty"):
+        ReplayBuffer(10).sample(1, 2, np.random.default_rng(0), recent_prob=0.5)
+
+
+def test_groups_never_repeat_samples_when_distinct_available():
+    rng = np.random.default_rng(5)
+    buf = ReplayBuffer(400, per_prompt_capacity=12)
+    for version in range(6):
+        buf.add(
+            make(int(p), version, float(rng.normal()))
+            for p in rng.integers(0, 30, size=int(rng.integers(20, 80)))
+        )
+    sizes = {pid: len(es) for pid, es in buf.state_dict()["prompts"]}
+    for k in (2, 4, 8):
+        for _ in range(60):
+            groups = buf.sample(
+                8, k, rng, recent_prob=0.5, reward_weight=0.5, reward_temperature=0.5
+            )
+            for g in groups:
+                assert len(g) == k and len({s.prompt_id for s in g}) == 1
+                distinct = len({tag(s) for s in g})
+                assert distinct == min(k, sizes[g[0].prompt_id])
+                assert distinct >= 2
+
+
+def test_distinct_prompts_across_groups_of_a_batch():
+    buf = ReplayBuffer(1000)
+    buf.add([make(p, 0) for p in range(10) for _ in range(4)])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        groups = buf.sample(10, 2, rng, recent_prob=0.5)
+        assert len({g[0].prompt_id for g in groups}) == 10
+    # More groups than prompts: every prompt is used before any repeats.
+    assert len({g[0].prompt_id for g in buf.sample(13, 2, rng, recent_prob=0.5)}) == 10
+
+
+# -------------------------------------------------------------------------------- staleness
+
+
+def test_staleness_statistics():
+    buf = ReplayBuffer(100)
+    buf.add([make(0, 0), make(1, 0), make(0, 1), make(2, 3)])
+    stats = buf.staleness(3)
+    assert stats["mean"] == pytest.approx(2.0)
+    assert stats["max"] == 3
+    assert stats["hist"] == {0: 1, 2: 1, 3: 2}
+    assert ReplayBuffer(5).staleness(3) == {"mean": 0.0, "max": 0.0, "hist": {}}
+
+
+def test_batch_staleness():
+    groups = [[make(0, 4), make(0, 4)], [make(1, 1), make(1, 2)]]
+    assert batch_staleness(groups, 5) == {"mean": pytest.approx(2.25), "max": 4.0}
+
+
+# ------------------------------------------------------------------------------- persistence
+
+
+@pytest.mark.parametrize("name", ["buffer.json", "buffer.json.gz"])
+def test_save_load_round_trip(tmp_path, name):
+    rng = np.random.default_rng(3)
+    buf = ReplayBuffer(60, per_prompt_capacity=9)
+    for version in range(5):
+        batch = [make(int(p), version, float(rng.normal())) for p in rng.integers(0, 12, size=25)]
+        batch[0].reward_parts = {"format": 0.5, "answer": 1.0}
+        batch[1].truncated = True
+        batch[2].created_at = 1712345678.123
+        buf.add(batch)
+    path = tmp_path / name
+    buf.save(path)
+    loaded = ReplayBuffer.load(path)
+    assert loaded.state_dict() == buf.state_dict()
+    assert (len(loaded), loaded.num_prompts, loaded.latest_version) == (
+        len(buf),
+        buf.num_prompts,
+        buf.latest_version,
+    )
+    assert loaded.staleness(6) == buf.staleness(6)
+
+    def draw(b: ReplayBuffer) -> list[list[dict]]:
+        groups = b.sample(6, 3, np.random.default_rng(11), recent_prob=0.4, reward_weight=0.7)
+        return [[s.to_dict() for s in g] for g in groups]
+
+    assert draw(loaded) == draw(buf)
+    # Both keep evolving identically after the round trip.
+    extra = [make(int(p), 5) for p in range(15)]
+    assert loaded.add([Sample.from_dict(s.to_dict()) for s in extra]) == buf.add(extra)
+    assert draw(loaded) == draw(buf)
+
+
+def test_sample_dict_round_trip():
+    s = make(3, 2, 0.25)
+    s.reward_parts = {"a": 1.0}
+    assert Sample.from_dict(s.to_dict()) == s
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"num_groups": 0}, "num_groups"),
+        ({"group_size": 1}, "group_size"),
+        ({"recent_prob": -0.1}, "recent_prob"),
+        ({"recent_prob": 1.5}, "recent_prob"),
+        ({"recent_prob": float("nan")}, "recent_prob"),
+        ({"reward_weight": 1.1}, "reward_weight"),
+        ({"reward_weight": -0.5}, "reward_weight"),
+        ({"reward_temperature": 0.0}, "reward_temperature"),
+        ({"reward_temperature": -1.0}, "reward_temperature"),
+    ],
+)
+def test_bad_sampling_arguments_raise(kwargs, name):
+    buf = ReplayBuffer(10)
+    buf.add([make(0, 0), make(0, 0)])
+    args = {"num_groups": 1, "group_size": 2, "recent_prob": 0.5} | kwargs
+    num_groups, group_size = args.pop("num_groups"), args.pop("group_size")
+    with pytest.raises(ValueError, match=name):
+        buf.sample(num_groups, group_size, np.random.default_rng(0), **args)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "per_prompt", "name"), [(0, None, "capacity"), (10, 0, "per_prompt_capacity")]
+)
+def test_bad_capacity_raises(capacity, per_prompt, name):
+    with pytest.raises(ValueError, match=name):
+        ReplayBuffer(capacity, per_prompt)
