@@ -42,7 +42,7 @@ class PretrainConfig(Section):
     """How the built-in base policy is made (`tba pretrain`)."""
 
     num_examples: int = Field(4000, ge=1, description="worked solutions in the limited SFT set")
-    steps: int = Field(300, ge=1)
+    steps: int = Field(230, ge=1)
     batch_size: int = Field(64, ge=1)
     learning_rate: float = Field(3e-3, gt=0)
     cache_dir: str = Field("~/.cache/tba", description="where built-in base policies are kept")
@@ -61,6 +61,7 @@ class TrainConfig(Section):
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
     learning_rate: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup")
     max_grad_norm: float = Field(1.0, gt=0)
     num_prompts: int = Field(8, ge=1, description="B: prompts (groups) per batch")
     group_size: int = Field(16, ge=2, description="K: responses per prompt in a batch")
@@ -155,7 +156,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"malformed YAML in {path}{where}: {getattr(error, 'problem', error)}")
+        problem = getattr(error, "problem", error)
+        raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

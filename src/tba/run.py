@@ -63,14 +63,14 @@ def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -
 
 def train(config: RunConfig, console: Console | None = None) -> Path:
     console = console or Console(stderr=True)
-    run_dir = create_run_dir(config.output_dir)
-    (run_dir / "config.yaml").write_text(dump_config(config))
     if config.policy.num_threads:
         torch.set_num_threads(config.policy.num_threads)
+    policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
+    run_dir = create_run_dir(config.output_dir)
+    (run_dir / "config.yaml").write_text(dump_config(config))
     seed_everything(config.seed)
     device = resolve_device(config.policy.device)
 
-    policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     task = build_task(
         config.task.name, num_train=config.task.num_train, num_eval=config.task.num_eval,
@@ -96,6 +96,7 @@ def train(config: RunConfig, console: Console | None = None) -> Path:
         pad_id=tokenizer.pad_token_id,
         temperature=config.policy.temperature,
         learning_rate=tc.learning_rate,
+        warmup_steps=tc.warmup_steps,
         max_grad_norm=tc.max_grad_norm,
     )
     buffer = ReplayBuffer(config.buffer.capacity, config.buffer.per_prompt_capacity)

@@ -27,6 +27,7 @@ class Trainer:
         temperature: float,
         learning_rate: float,
         max_grad_norm: float,
+        warmup_steps: int = 0,
         micro_batch_groups: int | None = None,
     ) -> None:
         self.model = model.train()
@@ -35,6 +36,11 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.micro_batch_groups = micro_batch_groups
         self.optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+        # Adam's first updates move every weight by about the full learning rate whatever the
+        # gradient's signal-to-noise; a linear warmup keeps them from knocking the policy around.
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
+        )
         self.version = 0  # weight version: bumped at every publish
         self.step_count = 0
 
@@ -72,6 +78,7 @@ class Trainer:
             kl_sum += (logp.detach() - ref_logp).sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
+        self.schedule.step()
         self.step_count += 1
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g)
         elapsed = time.time() - start

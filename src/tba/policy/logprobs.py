@@ -3,6 +3,9 @@
     log pi(y | x) = sum_t log_softmax(logits_t / temperature)[y_t]
 
 summed over every response token, EOS included, with no length normalisation.
+
+A batch usually holds K responses per prompt, so each distinct prompt runs through the model once
+and its KV cache is shared by all of its responses (gradients flow through the shared prompt).
 """
 
 from __future__ import annotations
@@ -10,23 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-
-def right_pad_pairs(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
-    """Concatenate prompt and response per row, right-pad; mark which targets are response tokens.
-
-    Returns (input_ids, attention_mask, response_mask) where response_mask[:, t] says whether
-    input_ids[:, t + 1] is a response token (the target of position t).
-    """
-    rows = [p + r for p, r in zip(prompts, responses)]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attention[i, : len(p) + len(r)] = 1
-        response_mask[i, len(p) - 1 : len(p) + len(r) - 1] = True
-    return ids, attention, response_mask
+from tba.policy.batching import left_pad, right_pad, unique_prompts
 
 
 def sequence_logprobs(
@@ -37,11 +24,31 @@ def sequence_logprobs(
     pad_id: int,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Summed response log-probs, shape (len(prompts),), float32, differentiable w.r.t. the model."""
+    """Summed response log-probs, shape (len(prompts),), float32, differentiable."""
+    if any(len(r) == 0 for r in responses):
+        raise ValueError("every response needs at least one token")
     device = next(model.parameters()).device
-    ids, attention, response_mask = right_pad_pairs(prompts, responses, pad_id)
-    ids, attention, response_mask = ids.to(device), attention.to(device), response_mask.to(device)
-    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
+    distinct, rows = unique_prompts(prompts)
+    prompt_ids, prompt_mask, prompt_positions = left_pad(distinct, pad_id, device)
+    prompt_out = model(
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
+        use_cache=True,
+    )  # fmt: skip
+    index = torch.tensor(rows, device=device)
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(index)  # each response gets its prompt's keys and values
+
+    response_ids, response_mask = right_pad(responses, pad_id, device)
+    offsets = torch.arange(response_ids.size(1), device=device)
+    response_out = model(
+        input_ids=response_ids,
+        attention_mask=torch.cat([prompt_mask[index], response_mask], dim=1),
+        position_ids=prompt_positions[index, -1:] + 1 + offsets,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    # The prompt's last logits predict the first response token; each response position the next.
+    logits = torch.cat([prompt_out.logits[index, -1:], response_out.logits[:, :-1]], dim=1)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    token_logps = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    token_logps = log_probs.gather(-1, response_ids[..., None]).squeeze(-1)
     return (token_logps * response_mask).sum(-1)

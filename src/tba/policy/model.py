@@ -1,7 +1,7 @@
 """Building, loading and moving policy weights.
 
-The built-in policy is an ordinary Hugging Face `LlamaForCausalLM`, only tiny, so that every code
-path it takes (forward, KV cache, `save_pretrained`, `from_pretrained`) is the one a real model takes.
+The built-in policy is an ordinary Hugging Face `LlamaForCausalLM`, only tiny, so that every
+code path it takes (forward, KV cache, `save_pretrained`, `from_pretrained`) is a real model's.
 """
 
 from __future__ import annotations

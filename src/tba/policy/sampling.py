@@ -12,24 +12,14 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from tba.policy.batching import left_pad, unique_prompts
+
 
 @dataclass
 class Generation:
     response_ids: list[list[int]]  # EOS included when the response ended
     logps: list[float]  # behaviour log-prob of each response at the sampling temperature
     truncated: list[bool]  # hit max_new_tokens without EOS
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device):
-    """(input_ids, attention_mask, position_ids) for left-padded sequences."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = torch.tensor(seq)
-        mask[row, width - len(seq) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids.to(device), mask.to(device), positions.to(device)
 
 
 @torch.no_grad()
@@ -46,12 +36,16 @@ def generate(
 ) -> Generation:
     """Sample one response per prompt (repeat a prompt in `prompts` to get several)."""
     device = next(model.parameters()).device
-    ids, mask, positions = left_pad(prompts, pad_id, device)
+    distinct, rows = unique_prompts(prompts)
+    ids, mask, positions = left_pad(distinct, pad_id, device)
     was_training = model.training
     model.eval()
+    # Each distinct prompt is encoded once; its KV cache is then copied to each of its samples.
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    cache, logits = out.past_key_values, out.logits[:, -1]
-    next_position = positions[:, -1] + 1
+    index = torch.tensor(rows, device=device)
+    cache, logits = out.past_key_values, out.logits[index, -1]
+    cache.batch_select_indices(index)
+    mask, next_position = mask[index], positions[index, -1] + 1
 
     n = len(prompts)
     tokens = torch.empty((n, 0), dtype=torch.long, device=device)

@@ -1,0 +1,72 @@
+"""End to end: `tba train` builds a (tiny) base policy, trains synchronously, writes its run dir."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tba.base_policy import builtin_policy_dir
+from tba.cli import main
+from tba.config import load_config
+from tba.rundir import read_metrics
+
+FAST = [
+    "pretrain.num_examples=64",
+    "pretrain.steps=4",
+    "pretrain.batch_size=16",
+    "task.num_train=32",
+    "task.num_eval=8",
+    "task.num_eval_pass_k=4",
+    "eval.pass_k=2",
+    "eval.every=2",
+    "train.num_prompts=2",
+    "train.group_size=4",
+    "train.max_steps=3",
+    "policy.max_new_tokens=12",
+    "policy.num_threads=1",
+]
+
+
+@pytest.fixture
+def fast_overrides(tmp_path):
+    return FAST + [f"pretrain.cache_dir={tmp_path / 'cache'}"]
+
+
+def test_train_writes_a_complete_run_directory(tmp_path, fast_overrides):
+    run_dir = tmp_path / "run"
+    assert main(["train", *fast_overrides, f"output_dir={run_dir}"]) == 0
+
+    assert (run_dir / "config.yaml").exists()
+    assert load_config(run_dir / "config.yaml").train.max_steps == 3  # the resolved config reloads
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    expected = {"time", "loss", "reward_mean", "beta", "buffer_size", "staleness_mean"}
+    assert expected <= set(steps[0])
+    assert "gen_tokens_per_s" in steps[0] and "train_tokens_per_s" in steps[0]
+    assert steps[-1]["buffer_size"] == 3 * 2 * 4
+    assert "eval_pass@1" in steps[1]  # eval.every=2
+    summary = json.loads((run_dir / "eval.json").read_text())
+    assert {"eval_pass@1", "pass@2", "sampled_pass@1"} <= set(summary["base"])
+    assert summary["steps"] == 3
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert (run_dir / "final" / "config.json").exists()
+
+
+def test_base_policy_is_built_once_and_cached(tmp_path, fast_overrides):
+    config = load_config(None, fast_overrides)
+    cached = builtin_policy_dir(config.pretrain, config.seed)
+    assert main(["pretrain", *fast_overrides]) == 0
+    assert (cached / "config.json").exists()
+    built_at = (cached / "model.safetensors").stat().st_mtime
+    assert main(["train", *fast_overrides, f"output_dir={tmp_path / 'run'}"]) == 0
+    assert (cached / "model.safetensors").stat().st_mtime == built_at
+
+
+def test_existing_run_directory_is_refused(tmp_path, fast_overrides, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *fast_overrides, f"output_dir={run_dir}"]) == 0
+    capsys.readouterr()
+    assert main(["train", *fast_overrides, f"output_dir={run_dir}"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
