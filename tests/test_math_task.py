@@ -231,3 +231,19 @@ def test_build_task_rewards_score_their_own_rows():
 def test_build_task_rejects_an_unknown_task():
     with pytest.raises(ValueError, match="unknown task"):
         build_task("chess", num_train=1, num_eval=1, seed=0)
+
+
+def test_stopped_early_drops_the_last_step_of_three_step_solutions(train_problems):
+    from tba.tasks.math import stopped_early
+
+    three_step = [p for p in train_problems if p.solution.count("=") == 3]
+    shorter = [p for p in train_problems if p.solution.count("=") < 3]
+    assert three_step and shorter
+    for problem in three_step:
+        sloppy = stopped_early(problem)
+        equations, final = parse_solution(sloppy)
+        assert len(equations) == 2
+        assert equations == parse_solution(problem.solution)[0][:2]
+        assert final == str(equations[-1][1])
+        assert not is_correct(sloppy, problem.answer)  # the last step always changes the result
+    assert all(stopped_early(p) == p.solution for p in shorter)

@@ -46,6 +46,8 @@ def test_train_writes_a_complete_run_directory(tmp_path, fast_overrides):
     assert expected <= set(steps[0])
     assert "gen_tokens_per_s" in steps[0] and "train_tokens_per_s" in steps[0]
     assert steps[-1]["buffer_size"] == 3 * 2 * 4
+    # Synchronous on-policy mode: every batch comes from the weights just published.
+    assert all(r["staleness_max"] == 0 for r in steps)
     assert "eval_pass@1" in steps[1]  # eval.every=2
     summary = json.loads((run_dir / "eval.json").read_text())
     assert {"eval_pass@1", "pass@2", "sampled_pass@1"} <= set(summary["base"])

@@ -44,6 +44,7 @@ def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -
         steps=pretrain.steps,
         batch_size=pretrain.batch_size,
         lr=pretrain.learning_rate,
+        sloppy_fraction=pretrain.sloppy_fraction,
         seed=seed,
         log=log,
     )

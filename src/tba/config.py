@@ -42,9 +42,12 @@ class PretrainConfig(Section):
     """How the built-in base policy is made (`tba pretrain`)."""
 
     num_examples: int = Field(4000, ge=1, description="worked solutions in the limited SFT set")
-    steps: int = Field(230, ge=1)
+    steps: int = Field(260, ge=1)
     batch_size: int = Field(64, ge=1)
     learning_rate: float = Field(3e-3, gt=0)
+    sloppy_fraction: float = Field(
+        0.6, ge=0, le=1, description="share of three-step solutions that stop one step early"
+    )
     cache_dir: str = Field("~/.cache/tba", description="where built-in base policies are kept")
 
 
@@ -60,7 +63,7 @@ class TrainConfig(Section):
     loss: Literal["tb"] = "tb"
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
-    learning_rate: float = Field(1e-4, gt=0)
+    learning_rate: float = Field(5e-5, gt=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup")
     max_grad_norm: float = Field(1.0, gt=0)
     num_prompts: int = Field(8, ge=1, description="B: prompts (groups) per batch")

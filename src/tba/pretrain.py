@@ -54,10 +54,16 @@ def pretrain_math_policy(
     steps: int,
     batch_size: int,
     lr: float,
+    sloppy_fraction: float,
     seed: int,
     log=print,
 ) -> Path:
-    """Train the tiny policy on `num_examples` worked solutions for `steps` steps, save it."""
+    """Train the tiny policy on `num_examples` worked solutions for `steps` steps, save it.
+
+    A `sloppy_fraction` of the three-step solutions stop one step early (see
+    `math_task.stopped_early`), as imperfect demonstrations do: the base policy picks up the habit
+    often enough that greedy decoding keeps it, while sampling still finishes many problems.
+    """
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
     model = build_tiny_llama(
@@ -69,7 +75,12 @@ def pretrain_math_policy(
     )
     examples = math_task.problems("train", num_examples, seed)
     prompts = [tokenizer(math_task.format_prompt(p.question))["input_ids"] for p in examples]
-    responses = [tokenizer(p.solution, add_special_tokens=False)["input_ids"] for p in examples]
+    rng = random.Random(seed)
+    solutions = [
+        math_task.stopped_early(p) if rng.random() < sloppy_fraction else p.solution
+        for p in examples
+    ]
+    responses = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in solutions]
     responses = [r + [tokenizer.eos_token_id] for r in responses]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -78,7 +89,6 @@ def pretrain_math_policy(
         optimizer,
         lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))),
     )
-    rng = random.Random(seed)
     order: list[int] = []
     start = time.time()
     model.train()

@@ -2,7 +2,8 @@
 
 Data flows one way: prompts -> searcher -> buffer -> trainer -> weights -> searcher. In the
 synchronous on-policy mode each step generates a batch with the latest weights, adds it to the
-buffer, trains on exactly those samples, and publishes the new weights.
+buffer, trains on a batch sampled from the buffer (by default exactly the samples just made: the
+most-on-policy branch with probability 1), and publishes the new weights.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoTokenizer
 
 from tba.base_policy import resolve_policy
-from tba.buffer import ReplayBuffer, Sample, batch_staleness
+from tba.buffer import ReplayBuffer, batch_staleness
 from tba.config import RunConfig, dump_config
 from tba.evaluation import greedy_pass_at_1, sampled_pass_at_k
 from tba.objectives import BetaSchedule
@@ -35,14 +35,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def group_by_prompt(samples: list[Sample]) -> list[list[Sample]]:
-    """On-policy groups: every prompt's samples from one generation call (groups of >= 2)."""
-    groups: dict[int, list[Sample]] = defaultdict(list)
-    for sample in samples:
-        groups[sample.prompt_id].append(sample)
-    return [group for group in groups.values() if len(group) >= 2]
 
 
 def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -> dict[str, float]:
@@ -100,6 +92,7 @@ def train(config: RunConfig, console: Console | None = None) -> Path:
         max_grad_norm=tc.max_grad_norm,
     )
     buffer = ReplayBuffer(config.buffer.capacity, config.buffer.per_prompt_capacity)
+    rng = np.random.default_rng(config.seed)
     beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
 
     console.log(f"run directory: {run_dir}")
@@ -127,7 +120,12 @@ def train(config: RunConfig, console: Console | None = None) -> Path:
                 searcher.set_weights(*trainer.publish())
             samples, gen_stats = searcher.generate(tc.num_prompts)
             buffer.add(samples)
-            groups = group_by_prompt(samples)
+            # With recent_prob=1, sync_every=1 and S=K this is exactly the batch just generated.
+            groups = buffer.sample(
+                tc.num_prompts, tc.group_size, rng, recent_prob=config.buffer.recent_prob,
+                reward_weight=config.buffer.reward_weight,
+                reward_temperature=config.buffer.reward_temperature,
+            )  # fmt: skip
             beta = beta_at(run_fraction)
             record = {
                 "step": step,
@@ -136,8 +134,9 @@ def train(config: RunConfig, console: Console | None = None) -> Path:
                 **trainer.step(groups, beta),
                 **gen_stats,
                 "buffer_size": len(buffer),
-                "staleness_mean": batch_staleness(groups, trainer.version)["mean"],
-                "staleness_max": batch_staleness(groups, trainer.version)["max"],
+                **{
+                    f"staleness_{k}": v for k, v in batch_staleness(groups, trainer.version).items()
+                },
             }
             if step % config.eval.every == 0:
                 last_eval = evaluate(trainer.model, tokenizer, task, config, pass_k=False)

@@ -72,7 +72,6 @@ class Searcher:
         self.prompt_ids = [tokenizer(row["prompt"])["input_ids"] for row in rows]
         self.generator = torch.Generator(device=next(model.parameters()).device)
         self.generator.manual_seed(seed)
-        self.dropped = 0
 
     def set_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
         set_weights(self.policy, weights)
@@ -121,7 +120,6 @@ class Searcher:
             for i in range(len(row_ids))
             if math.isfinite(rewards[i])
         ]
-        self.dropped += len(row_ids) - len(samples)
         tokens = sum(len(r) for r in out.response_ids)
         elapsed = time.time() - start
         stats = {
@@ -129,6 +127,7 @@ class Searcher:
             "gen_tokens": tokens,
             "gen_tokens_per_s": tokens / elapsed,
             "truncated_frac": sum(out.truncated) / len(out.truncated),
+            "dropped": len(row_ids) - len(samples),
             "response_length": tokens / len(out.response_ids),
         }
         return samples, stats

@@ -126,6 +126,17 @@ def _make(question: str, steps: list[tuple[str, int]]) -> Problem:
     return Problem(question, "\n".join(lines + [f"#### {answer}"]), answer)
 
 
+def stopped_early(problem: Problem) -> str:
+    """The problem's worked solution with its last equation left out, answering with the result
+    before it: the "forgot the last step" slip. Solutions of fewer than three steps are returned
+    unchanged."""
+    *equations, _ = problem.solution.split("\n")
+    if len(equations) < 3:
+        return problem.solution
+    kept = equations[:-1]
+    return "\n".join(kept + [f"#### {kept[-1].split('=')[-1]}"])
+
+
 def is_held_out(question: str) -> bool:
     digest = hashlib.sha256(question.encode()).digest()
     return digest[0] % HELD_OUT_BUCKETS == 0
