@@ -60,12 +60,13 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
         color="tab:blue",
         label="held-out greedy pass@1",
     )
+    rewards = [r["reward_mean"] for r in steps]
+    ax.plot([r["time"] / 60 for r in steps], rewards, color="tab:orange", alpha=0.2, linewidth=0.8)
     ax.plot(
         [r["time"] / 60 for r in steps],
-        [r["reward_mean"] for r in steps],
+        _moving_average(rewards, 25),
         color="tab:orange",
-        alpha=0.5,
-        label="batch mean reward",
+        label="batch mean reward (25-step average)",
     )
     ax.set_xlabel("wall-clock minutes")
     ax.set_ylabel("accuracy / reward")
@@ -76,3 +77,14 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    sums = [0.0]
+    for value in values:
+        sums.append(sums[-1] + value)
+    return [
+        (sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window)
+        for i in range(len(values))
+    ]
