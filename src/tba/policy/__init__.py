@@ -1,0 +1,1 @@
+"""The policy: tokenizer, model building and loading, KV-cache sampling, sequence log-probs."""
