@@ -46,7 +46,7 @@ class PretrainConfig(Section):
     batch_size: int = Field(64, ge=1)
     learning_rate: float = Field(3e-3, gt=0)
     sloppy_fraction: float = Field(
-        0.6, ge=0, le=1, description="share of three-step solutions that stop one step early"
+        0.7, ge=0, le=1, description="share of three-step solutions that stop one step early"
     )
     cache_dir: str = Field("~/.cache/tba", description="where built-in base policies are kept")
 
