@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -267,3 +268,9 @@ def test_cli_config_bad_override_exits_2(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("tba: error: ") and captured.err.count("\n") == 1
+
+
+def test_example_configs_load_and_match_the_defaults_they_write_out():
+    for path in sorted((Path(__file__).parent.parent / "configs").glob("*.yaml")):
+        config = load_config(path)
+        assert config.model_dump() == load_config().model_dump(), path

@@ -42,9 +42,9 @@ class PretrainConfig(Section):
     """How the built-in base policy is made (`tba pretrain`)."""
 
     num_examples: int = Field(4000, ge=1, description="worked solutions in the limited SFT set")
-    steps: int = Field(260, ge=1)
-    batch_size: int = Field(64, ge=1)
-    learning_rate: float = Field(3e-3, gt=0)
+    steps: int = Field(260, ge=1, description="SFT steps (cosine learning-rate decay)")
+    batch_size: int = Field(64, ge=1, description="worked solutions per SFT step")
+    learning_rate: float = Field(3e-3, gt=0, description="peak SFT learning rate")
     sloppy_fraction: float = Field(
         0.7, ge=0, le=1, description="share of three-step solutions that stop one step early"
     )
@@ -52,7 +52,7 @@ class PretrainConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["math"] = "math"
+    name: Literal["math"] = Field("math", description="the embedded synthetic math task")
     num_train: int = Field(5000, ge=1, description="training prompts")
     num_eval: int = Field(256, ge=1, description="held-out problems for greedy pass@1")
     num_eval_pass_k: int = Field(128, ge=1, description="held-out problems for pass@k")
@@ -60,12 +60,12 @@ class TaskConfig(Section):
 
 class TrainConfig(Section):
     mode: Literal["sync"] = Field("sync", description="sync: generate, then train on exactly that")
-    loss: Literal["tb"] = "tb"
+    loss: Literal["tb"] = Field("tb", description="objective: VarGrad trajectory balance")
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
-    learning_rate: float = Field(5e-5, gt=0)
+    learning_rate: float = Field(5e-5, gt=0, description="Adam learning rate of the policy")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient norm clip")
     num_prompts: int = Field(8, ge=1, description="B: prompts (groups) per batch")
     group_size: int = Field(16, ge=2, description="K: responses per prompt in a batch")
     samples_per_prompt: int | None = Field(
@@ -79,7 +79,7 @@ class TrainConfig(Section):
     truncated: Literal["penalize", "drop"] = Field(
         "penalize", description="responses without EOS: reward `truncation_penalty`, or drop"
     )
-    truncation_penalty: float = -1.0
+    truncation_penalty: float = Field(-1.0, description="reward of a response without EOS")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -95,7 +95,7 @@ class TrainConfig(Section):
 
 class BufferConfig(Section):
     capacity: int = Field(20000, ge=1, description="samples kept; oldest weight version evicted")
-    per_prompt_capacity: int | None = Field(None, ge=1)
+    per_prompt_capacity: int | None = Field(None, ge=1, description="samples kept per prompt")
     recent_prob: float = Field(
         1.0, ge=0, le=1, description="m: probability a group comes from the latest weight version"
     )
@@ -111,7 +111,7 @@ class EvalConfig(Section):
 
 
 class RunConfig(Section):
-    seed: int = 0
+    seed: int = Field(0, description="seeds data order, sampling and the base policy")
     output_dir: str | None = Field(None, description="run directory (default: runs/<timestamp>)")
     policy: PolicyConfig = PolicyConfig()
     pretrain: PretrainConfig = PretrainConfig()

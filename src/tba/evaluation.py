@@ -46,20 +46,33 @@ def _correct(
 
 
 def greedy_pass_at_1(
-    model, tokenizer, rows: list[dict], correct_fn: RewardFn, *, max_new_tokens: int,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    correct_fn: RewardFn,
+    *,
+    max_new_tokens: int,
     batch_size: int = 256,
-) -> float:  # fmt: skip
+) -> float:
     correct = _correct(
-        model, tokenizer, rows, correct_fn,
-        max_new_tokens=max_new_tokens, temperature=1.0, greedy=True, batch_size=batch_size,
+        model, tokenizer, rows, correct_fn, max_new_tokens=max_new_tokens, temperature=1.0,
+        greedy=True, batch_size=batch_size,
     )  # fmt: skip
     return sum(correct) / len(correct)
 
 
 def sampled_pass_at_k(
-    model, tokenizer, rows: list[dict], correct_fn: RewardFn, *, k: int, max_new_tokens: int,
-    temperature: float, seed: int = 0, batch_size: int = 512,
-) -> dict[str, float]:  # fmt: skip
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    correct_fn: RewardFn,
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    batch_size: int = 512,
+) -> dict[str, float]:
     """pass@k and the mean accuracy of single samples (pass@1 sampled), from k samples each."""
     repeated = [row for row in rows for _ in range(k)]
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
