@@ -53,6 +53,30 @@ def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -
     return result
 
 
+def build_searcher(config: RunConfig, policy_dir: Path, tokenizer, task: Task, device) -> Searcher:
+    tc = config.train
+    settings = SearchSettings(
+        samples_per_prompt=tc.samples_per_prompt or tc.group_size,
+        temperature=config.policy.temperature,
+        max_new_tokens=config.policy.max_new_tokens,
+        truncated=tc.truncated,
+        truncation_penalty=tc.truncation_penalty,
+    )
+    model = load_model(str(policy_dir), device)
+    return Searcher(model, tokenizer, task.train_rows, task.reward_fns, settings, seed=config.seed)
+
+
+def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Trainer:
+    return Trainer(
+        load_model(str(policy_dir), device),
+        pad_id=tokenizer.pad_token_id,
+        temperature=config.policy.temperature,
+        learning_rate=config.train.learning_rate,
+        warmup_steps=config.train.warmup_steps,
+        max_grad_norm=config.train.max_grad_norm,
+    )
+
+
 def train(config: RunConfig, console: Console | None = None) -> Path:
     console = console or Console(stderr=True)
     if config.policy.num_threads:
@@ -68,29 +92,9 @@ def train(config: RunConfig, console: Console | None = None) -> Path:
         config.task.name, num_train=config.task.num_train, num_eval=config.task.num_eval,
         seed=config.seed,
     )  # fmt: skip
+    searcher = build_searcher(config, policy_dir, tokenizer, task, device)
+    trainer = build_trainer(config, policy_dir, tokenizer, device)
     tc = config.train
-    searcher = Searcher(
-        load_model(str(policy_dir), device),
-        tokenizer,
-        task.train_rows,
-        task.reward_fns,
-        SearchSettings(
-            samples_per_prompt=tc.samples_per_prompt or tc.group_size,
-            temperature=config.policy.temperature,
-            max_new_tokens=config.policy.max_new_tokens,
-            truncated=tc.truncated,
-            truncation_penalty=tc.truncation_penalty,
-        ),
-        seed=config.seed,
-    )
-    trainer = Trainer(
-        load_model(str(policy_dir), device),
-        pad_id=tokenizer.pad_token_id,
-        temperature=config.policy.temperature,
-        learning_rate=tc.learning_rate,
-        warmup_steps=tc.warmup_steps,
-        max_grad_norm=tc.max_grad_norm,
-    )
     buffer = ReplayBuffer(config.buffer.capacity, config.buffer.per_prompt_capacity)
     rng = np.random.default_rng(config.seed)
     beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
@@ -151,15 +155,16 @@ def train(config: RunConfig, console: Console | None = None) -> Path:
     final = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
     metrics.write({"step": trainer.step_count, "time": time.time() - start, **final})
     metrics.close()
-    summary = {
-        "base": base,
-        "final": final,
-        "steps": trainer.step_count,
-        "train_minutes": (time.time() - start) / 60,
-    }
-    (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
-    trainer.model.save_pretrained(run_dir / "final")
-    tokenizer.save_pretrained(run_dir / "final")
-    plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", "tba train")
+    summary = {"base": base, "final": final, "steps": trainer.step_count,
+               "train_minutes": (time.time() - start) / 60}  # fmt: skip
+    save_results(run_dir, summary, trainer.model, tokenizer)
     console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     return run_dir
+
+
+def save_results(run_dir: Path, summary: dict, model, tokenizer) -> None:
+    """eval.json, the trained policy in final/, and the curves plot."""
+    (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
+    model.save_pretrained(run_dir / "final")
+    tokenizer.save_pretrained(run_dir / "final")
+    plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", "tba train")
