@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tba.policy.batching import right_pad
 from tba.policy.model import build_tiny_llama
 from tba.policy.tokenizer import build_char_tokenizer
 from tba.tasks import math as math_task
@@ -25,14 +26,9 @@ def right_pad_pairs(prompts: list[list[int]], responses: list[list[int]], pad_id
     Returns (input_ids, attention_mask, response_mask) where response_mask[:, t] says whether
     input_ids[:, t + 1] is a response token (the target of position t).
     """
-    rows = [p + r for p, r in zip(prompts, responses)]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+    ids, attention = right_pad([p + r for p, r in zip(prompts, responses)], pad_id, "cpu")
+    response_mask = torch.zeros((len(ids), ids.size(1) - 1), dtype=torch.bool)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attention[i, : len(p) + len(r)] = 1
         response_mask[i, len(p) - 1 : len(p) + len(r) - 1] = True
     return ids, attention, response_mask
 

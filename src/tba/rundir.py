@@ -60,17 +60,18 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
         color="tab:blue",
         label="held-out greedy pass@1",
     )
+    minutes = [r["time"] / 60 for r in steps]
     rewards = [r["reward_mean"] for r in steps]
-    ax.plot([r["time"] / 60 for r in steps], rewards, color="tab:orange", alpha=0.2, linewidth=0.8)
+    ax.plot(minutes, rewards, color="tab:orange", alpha=0.2, linewidth=0.8)
     ax.plot(
-        [r["time"] / 60 for r in steps],
+        minutes,
         _moving_average(rewards, 25),
         color="tab:orange",
         label="batch mean reward (25-step average)",
     )
     ax.set_xlabel("wall-clock minutes")
     ax.set_ylabel("accuracy / reward")
-    ax.set_ylim(min(0.0, *(r["reward_mean"] for r in steps)) if steps else 0.0, 1.0)
+    ax.set_ylim(min([0.0, *rewards]), 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)

@@ -37,7 +37,7 @@ class Trainer:
         self.micro_batch_groups = micro_batch_groups
         self.optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
         # Adam's first updates move every weight by about the full learning rate whatever the
-        # gradient's signal-to-noise; a linear warmup keeps them from knocking the policy around.
+        # gradient's signal-to-noise; a linear warmup makes those first moves smaller.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
         )
