@@ -151,8 +151,37 @@ def test_recent_prefers_prompts_with_k_latest_samples():
     buf = ReplayBuffer(1000)
     buf.add([make(0, 5)] + [make(0, 4) for _ in range(5)])  # 1 latest sample
     buf.add([make(1, 5) for _ in range(3)])  # 3 latest samples
-    groups = buf.sample(30, 3, np.random.default_rng(0), recent_prob=1.0)
-    assert all(s.prompt_id == 1 and s.version == 5 for g in groups for s in g)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        first, second = buf.sample(2, 3, rng, recent_prob=1.0)
+        assert all(s.prompt_id == 1 and s.version == 5 for s in first)
+        assert {s.prompt_id for s in second} == {0}
+
+
+def test_recent_branch_moves_to_older_versions_once_latest_prompts_are_used():
+    buf = ReplayBuffer(1000)
+    buf.add([make(p, 1) for p in range(4) for _ in range(3)])
+    buf.add([make(p, 2) for p in range(4, 8) for _ in range(3)])
+    buf.add([make(9, 3) for _ in range(3)])  # the only prompt of the latest version
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        groups = buf.sample(5, 3, rng, recent_prob=1.0)
+        assert {s.prompt_id for s in groups[0]} == {9}
+        # Then the freshest prompts (version 2), each once, before any of version 1.
+        assert sorted(g[0].prompt_id for g in groups[1:]) == [4, 5, 6, 7]
+        # Then version 1.
+        rest = buf.sample(7, 3, rng, recent_prob=1.0)[5:]
+        assert len({g[0].prompt_id for g in rest}) == 2 and all(g[0].prompt_id < 4 for g in rest)
+
+
+def test_evict_older_than_enforces_a_staleness_bound():
+    buf = ReplayBuffer(100, per_prompt_capacity=2)
+    buf.add([make(0, 1), make(0, 3), make(0, 4), make(1, 2), make(1, 5), make(2, 6)])
+    assert len(buf) == 5  # prompt 0's v1 sample went to the per-prompt limit
+    assert buf.evict_older_than(4) == 2  # v3 and v2; the trimmed v1 entry is skipped
+    assert buf.staleness(6)["hist"] == {2: 1, 1: 1, 0: 1}
+    assert buf.evict_older_than(4) == 0
+    assert buf.evict_older_than(7) == 3 and len(buf) == 0 and buf.num_prompts == 0
 
 
 # ---------------------------------------------------------------------------------- eviction
@@ -223,7 +252,9 @@ def test_replay_prefers_prompts_with_k_samples():
     buf = ReplayBuffer(100)
     buf.add([make(0, 0) for _ in range(2)] + [make(1, 0) for _ in range(3)])
     groups = buf.sample(20, 3, np.random.default_rng(0), recent_prob=0.0)
-    assert all(s.prompt_id == 1 for g in groups for s in g)
+    assert {s.prompt_id for s in groups[0]} == {1}
+    # More groups than prompts: prompt 0 once, and the repeats from the preferred prompt.
+    assert sum(g[0].prompt_id == 0 for g in groups) == 1
 
 
 def test_recent_prob_one_without_usable_latest_samples_falls_back_to_replay():

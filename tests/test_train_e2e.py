@@ -1,4 +1,5 @@
-"""End to end: `tba train` builds a (tiny) base policy, trains synchronously, writes its run dir."""
+"""End to end in this process: `tba train` builds a (tiny) base policy, trains synchronously with
+the searcher in-process (no Ray), and writes its run directory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from tba.config import load_config
 from tba.rundir import read_metrics
 
 FAST = [
+    "train.mode=sync",
+    "searchers.count=0",  # the searcher in this process: no Ray here
     "pretrain.num_examples=64",
     "pretrain.steps=4",
     "pretrain.batch_size=16",

@@ -5,28 +5,20 @@
     tba config [CONFIG.yaml] [key=value ...]    print the resolved configuration
 
 Bad input (unknown key, wrong type, out-of-range value, missing or malformed file) prints one line
-naming the problem and exits with status 2.
+naming the problem and exits with status 2; a searcher that cannot be kept running, status 1;
+Ctrl-C stops after the current step, saves the run and exits with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
-import warnings
 from pathlib import Path
 
 from tba.config import ConfigError, dump_config, load_config
-
-
-def _quiet_libraries() -> None:
-    """We configure these libraries ourselves; their warnings and progress bars are noise here."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=UserWarning)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+from tba.quiet import quiet_libraries
+from tba.runtime.errors import SearcherError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "config":
             print(dump_config(config), end="")
             return 0
-        _quiet_libraries()
+        quiet_libraries()
         from rich.console import Console
 
         console = Console(stderr=True)
@@ -70,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         from tba.run import train
 
         run_dir = train(config, console)
-        console.log(f"done: {run_dir}")
-        return 0
+        interrupted = json.loads((run_dir / "eval.json").read_text())["interrupted"]
+        console.log(f"{'interrupted, saved' if interrupted else 'done'}: {run_dir}")
+        return 130 if interrupted else 0
     except (ConfigError, FileExistsError, FileNotFoundError) as error:
         print(f"tba: error: {error}", file=sys.stderr)
         return 2
+    except SearcherError as error:
+        print(f"tba: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("tba: interrupted", file=sys.stderr)
         return 130

@@ -30,12 +30,17 @@ class PolicyConfig(Section):
         description="`builtin:math` (the embedded tiny policy, built on first use) or a "
         "directory saved with `save_pretrained`",
     )
-    device: str = Field("auto", description="`auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`")
+    device: str = Field(
+        "auto", description="trainer device: `auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`"
+    )
     temperature: float = Field(
         1.0, gt=0, description="sampling temperature, also used in log-probs"
     )
     max_new_tokens: int = Field(40, ge=1, description="response length limit, EOS included")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all)")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads of the trainer (default: all cores; async on "
+        "a local instance: the cores the searchers do not reserve)",
+    )
 
 
 class PretrainConfig(Section):
@@ -59,7 +64,11 @@ class TaskConfig(Section):
 
 
 class TrainConfig(Section):
-    mode: Literal["sync"] = Field("sync", description="sync: generate, then train on exactly that")
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="async: searchers never stop, the trainer never waits; "
+        "sync: generate with the latest weights, then train on exactly that",
+    )
     loss: Literal["tb"] = Field("tb", description="objective: VarGrad trajectory balance")
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
@@ -76,6 +85,10 @@ class TrainConfig(Section):
     beta_start_frac: float = Field(0.0, ge=0, le=1, description="anneal starts at this fraction")
     beta_end_frac: float = Field(1.0, ge=0, le=1, description="anneal ends at this fraction")
     sync_every: int = Field(1, ge=1, description="k: optimizer steps between weight syncs")
+    initial_buffer_samples: int | None = Field(
+        None, ge=1, description="async: the trainer starts once the buffer holds this many "
+        "samples (default: one batch, B*K)",
+    )
     truncated: Literal["penalize", "drop"] = Field(
         "penalize", description="responses without EOS: reward `truncation_penalty`, or drop"
     )
@@ -103,11 +116,58 @@ class BufferConfig(Section):
         0.0, ge=0, le=1, description="replay: weight of softmax(r/T) against uniform"
     )
     reward_temperature: float = Field(1.0, gt=0, description="replay: T in softmax(r/T)")
+    max_staleness: int | None = Field(
+        None, ge=0, description="drop samples more than this many weight versions old"
+    )
+
+
+class SearchersConfig(Section):
+    """The processes that generate and score samples (Ray actors)."""
+
+    count: int = Field(
+        1, ge=0, description="searcher processes; 0 runs one searcher inside the trainer "
+        "process, without Ray (sync mode only)",
+    )
+    prompts_per_batch: int | None = Field(
+        None, ge=1, description="async: prompts per generation batch of each searcher (default: B)"
+    )
+    max_unsent_samples: int = Field(
+        4096, ge=1, description="async: a searcher pauses while this many of its samples "
+        "wait for the trainer",
+    )
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per searcher")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per searcher")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads per searcher (default: num_cpus, at least 1)"
+    )
+    device: str = Field("auto", description="searcher device, as policy.device")
+    max_restarts: int = Field(
+        5, ge=0, description="restarts allowed per searcher before the run fails"
+    )
+
+
+class RayConfig(Section):
+    address: str | None = Field(
+        None, description="an existing Ray cluster to join (default: start a local instance "
+        "on loopback and stop it at exit)",
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of the local instance (default: this machine's, and at "
+        "least what the searchers reserve)",
+    )
+    sync_timeout_s: float = Field(
+        120.0, gt=0, description="a searcher that does not answer a weight sync or a "
+        "collection within this many seconds fails the run",
+    )
 
 
 class EvalConfig(Section):
     every: int = Field(25, ge=1, description="evaluate held-out greedy pass@1 every N steps")
     pass_k: int = Field(16, ge=1, description="k of the pass@k reported at start and end")
+    snapshot_minutes: float | None = Field(
+        None, gt=0, description="also save the policy every N minutes of training to "
+        "snapshots/, to evaluate after the run without pausing it",
+    )
 
 
 class RunConfig(Section):
@@ -118,7 +178,15 @@ class RunConfig(Section):
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
     buffer: BufferConfig = BufferConfig()
+    searchers: SearchersConfig = SearchersConfig()
+    ray: RayConfig = RayConfig()
     eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check_runtime(self) -> RunConfig:
+        if self.train.mode == "async" and self.searchers.count == 0:
+            raise ValueError("searchers.count=0 (in-process searcher) needs train.mode=sync")
+        return self
 
 
 # ---------------------------------------------------------------------------- loading

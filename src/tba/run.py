@@ -1,32 +1,49 @@
-"""`tba train`: wire task, searcher, buffer and trainer, and record everything in a run directory.
+"""`tba train`: wire task, searchers, buffer and trainer, and record everything in a run directory.
 
-Data flows one way: prompts -> searcher -> buffer -> trainer -> weights -> searcher. In the
-synchronous on-policy mode each step generates a batch with the latest weights, adds it to the
-buffer, trains on a batch sampled from the buffer (by default exactly the samples just made: the
-most-on-policy branch with probability 1), and publishes the new weights.
+Data flows one way: prompts -> searchers -> buffer -> trainer -> weights -> searchers.
+
+- **async** (TBA): the searchers generate without pause, each with the latest weights it has
+  adopted. The trainer starts once the buffer holds `train.initial_buffer_samples`; then it only
+  samples batches and steps. Every `train.sync_every` steps it publishes its weights and merges
+  what the searchers made since the last sync. It never waits on a generation in flight.
+- **sync** (on-policy baseline, same components): every step the searchers generate B prompts with
+  the weights published last, the trainer waits for them and trains on a batch sampled from the
+  buffer (with the default `recent_prob=1` and `sync_every=1`: exactly the samples just made).
+
+The trainer runs in this process; the searchers run as Ray actors (`searchers.count >= 1`) or, in
+the synchronous mode with `searchers.count=0`, inside this process without Ray.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
+import signal
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
 from tba.base_policy import resolve_policy
-from tba.buffer import ReplayBuffer, batch_staleness
+from tba.buffer import ReplayBuffer
 from tba.config import RunConfig, dump_config
 from tba.evaluation import greedy_pass_at_1, sampled_pass_at_k
 from tba.objectives import BetaSchedule
 from tba.policy.model import load_model, resolve_device
-from tba.rundir import MetricsLog, create_run_dir, plot_curves, read_metrics
-from tba.searcher import Searcher, SearchSettings
+from tba.rundir import EventLog, MetricsLog, create_run_dir, plot_curves, read_metrics
+from tba.runtime.feed import DataFeed
+from tba.runtime.searchers import open_searchers
 from tba.tasks import Task, build_task
 from tba.trainer import Trainer
 
@@ -53,17 +70,16 @@ def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -
     return result
 
 
-def build_searcher(config: RunConfig, policy_dir: Path, tokenizer, task: Task, device) -> Searcher:
-    tc = config.train
-    settings = SearchSettings(
-        samples_per_prompt=tc.samples_per_prompt or tc.group_size,
-        temperature=config.policy.temperature,
-        max_new_tokens=config.policy.max_new_tokens,
-        truncated=tc.truncated,
-        truncation_penalty=tc.truncation_penalty,
-    )
-    model = load_model(str(policy_dir), device)
-    return Searcher(model, tokenizer, task.train_rows, task.reward_fns, settings, seed=config.seed)
+def trainer_threads(config: RunConfig) -> int | None:
+    """Torch threads of the trainer: as configured; else, in the asynchronous mode on this
+    machine, the cores the searchers do not reserve (else the trainer starves them and keeps
+    stepping on ever staler samples)."""
+    sc = config.searchers
+    if config.policy.num_threads:
+        return config.policy.num_threads
+    if config.train.mode == "async" and config.ray.address is None:
+        return max(1, (os.cpu_count() or 1) - math.ceil(sc.count * sc.num_cpus))
+    return None
 
 
 def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Trainer:
@@ -77,89 +93,167 @@ def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Tra
     )
 
 
+@contextmanager
+def stop_on_interrupt() -> Iterator[threading.Event]:
+    """The first Ctrl-C asks the loop to stop after the current step; a second one aborts."""
+    stop = threading.Event()
+
+    def handler(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signals only reach the main thread
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def train(config: RunConfig, console: Console | None = None) -> Path:
     console = console or Console(stderr=True)
-    if config.policy.num_threads:
-        torch.set_num_threads(config.policy.num_threads)
+    threads = trainer_threads(config)
+    if threads:
+        torch.set_num_threads(threads)
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     run_dir = create_run_dir(config.output_dir)
     (run_dir / "config.yaml").write_text(dump_config(config))
     seed_everything(config.seed)
-    device = resolve_device(config.policy.device)
-
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     task = build_task(
         config.task.name, num_train=config.task.num_train, num_eval=config.task.num_eval,
         seed=config.seed,
     )  # fmt: skip
-    searcher = build_searcher(config, policy_dir, tokenizer, task, device)
-    trainer = build_trainer(config, policy_dir, tokenizer, device)
+    trainer = build_trainer(config, policy_dir, tokenizer, resolve_device(config.policy.device))
+    events = EventLog(run_dir / "events.jsonl", console.log)
+    console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
+    try:
+        # Searcher processes start while the base policy is evaluated here.
+        with open_searchers(config, policy_dir, tokenizer, task, events) as searchers:
+            base = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+            console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
+            with stop_on_interrupt() as stop:
+                loop = _train_loop(config, trainer, searchers, tokenizer, task, run_dir, console,
+                                   events, base, stop)  # fmt: skip
+        final = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+    finally:
+        events.close()
+    with MetricsLog(run_dir / "metrics.jsonl") as metrics:
+        metrics.write({"step": trainer.step_count, "time": loop["train_minutes"] * 60, **final})
+    summary = {"base": base, "final": final, **loop}
+    save_results(run_dir, summary, trainer.model, tokenizer)
+    console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    return run_dir
+
+
+def _train_loop(
+    config: RunConfig,
+    trainer: Trainer,
+    searchers,
+    tokenizer,
+    task: Task,
+    run_dir: Path,
+    console: Console,
+    events: EventLog,
+    base: dict[str, float],
+    stop: threading.Event,
+) -> dict:
+    """Steps until `max_steps`, `max_minutes` or Ctrl-C; returns the run summary."""
     tc = config.train
     buffer = ReplayBuffer(config.buffer.capacity, config.buffer.per_prompt_capacity)
+    feed = DataFeed(config, searchers, trainer, buffer)
     rng = np.random.default_rng(config.seed)
     beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
-
-    console.log(f"run directory: {run_dir}")
-    base = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
-    console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    metrics.write({"step": 0, "time": 0.0, **base})
-
     max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
-    start = time.time()
+    snapshot_every = config.eval.snapshot_minutes * 60 if config.eval.snapshot_minutes else None
+    staleness_hist: Counter[int] = Counter()
+    waiting = Counter()  # seconds after warm-up: waited for data, synced, evaluated, in total
     last_eval = base
     progress = Progress(
         TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed:.0f}"),
         TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
         transient=False,
     )  # fmt: skip
-    with progress:
-        bar = progress.add_task("train", total=tc.max_steps, status="")
+    with MetricsLog(run_dir / "metrics.jsonl") as metrics, progress:
+        metrics.write({"step": 0, "time": 0.0, **base})
+        bar = progress.add_task("train", total=tc.max_steps, status="filling the buffer")
+        start = time.time()
+        warmup_seconds = feed.start(stop)
+        next_snapshot = snapshot_every
         for step in range(1, tc.max_steps + 1):
             elapsed = time.time() - start
-            if elapsed >= max_seconds:
+            if elapsed >= max_seconds or stop.is_set():
                 break
-            run_fraction = max((step - 1) / tc.max_steps, elapsed / max_seconds)
-            if (step - 1) % tc.sync_every == 0:
-                searcher.set_weights(*trainer.publish())
-            samples, gen_stats = searcher.generate(tc.num_prompts)
-            buffer.add(samples)
-            # With recent_prob=1, sync_every=1 and S=K this is exactly the batch just generated.
+            step_start = time.time()
+            record: dict = {"step": step, **feed.before_step(step, stop)}
+            if len(buffer) == 0:  # interrupted while waiting for data
+                break
             groups = buffer.sample(
                 tc.num_prompts, tc.group_size, rng, recent_prob=config.buffer.recent_prob,
                 reward_weight=config.buffer.reward_weight,
                 reward_temperature=config.buffer.reward_temperature,
             )  # fmt: skip
-            beta = beta_at(run_fraction)
-            record = {
-                "step": step,
+            lags = [trainer.version - s.version for g in groups for s in g]
+            staleness_hist.update(lags)
+            beta = beta_at(max((step - 1) / tc.max_steps, elapsed / max_seconds))
+            record |= {
                 "beta": beta,
                 "reward_mean": float(np.mean([s.reward for g in groups for s in g])),
                 **trainer.step(groups, beta),
-                **gen_stats,
                 "buffer_size": len(buffer),
-                **{
-                    f"staleness_{k}": v for k, v in batch_staleness(groups, trainer.version).items()
-                },
+                "staleness_mean": float(np.mean(lags)),
+                "staleness_max": max(lags),
             }
+            waiting["wait"] += record["wait_seconds"]
+            waiting["sync"] += record["sync_seconds"]
             if step % config.eval.every == 0:
+                eval_start = time.time()
                 last_eval = evaluate(trainer.model, tokenizer, task, config, pass_k=False)
                 record |= last_eval
-            record["time"] = time.time() - start
+                waiting["eval"] += time.time() - eval_start
+            now = time.time()
+            waiting["total"] += now - step_start
+            record |= {
+                "time": now - start,
+                "step_seconds": now - step_start,
+                "trainer_wait_frac": (waiting["wait"] + waiting["sync"]) / waiting["total"],
+            }
+            if next_snapshot is not None and now - start >= next_snapshot:
+                record["snapshot"] = _save_snapshot(run_dir, trainer, step)
+                next_snapshot += snapshot_every
             metrics.write(record)
             progress.update(
                 bar, completed=step,
                 status=f"reward {record['reward_mean']:.2f}  pass@1 {last_eval['eval_pass@1']:.3f}",
             )  # fmt: skip
+        train_seconds = time.time() - start
+    if stop.is_set():
+        events("interrupted", step=trainer.step_count)
+    return {
+        "mode": tc.mode,
+        "steps": trainer.step_count,
+        "train_minutes": train_seconds / 60,
+        "interrupted": stop.is_set(),
+        "warmup_seconds": warmup_seconds,
+        # Of the trainer's time after warm-up (evaluation included): waiting for data and syncing.
+        "trainer_wait_frac": (waiting["wait"] + waiting["sync"]) / max(waiting["total"], 1e-9),
+        "trainer_sync_frac": waiting["sync"] / max(waiting["total"], 1e-9),
+        "eval_frac": waiting["eval"] / max(waiting["total"], 1e-9),
+        "staleness_histogram": {str(lag): n for lag, n in sorted(staleness_hist.items())},
+        "evicted_stale": feed.stale_evicted,
+        "evicted_capacity": feed.capacity_evicted,
+        "searcher_restarts": getattr(searchers, "restarts", 0),
+    }
 
-    final = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
-    metrics.write({"step": trainer.step_count, "time": time.time() - start, **final})
-    metrics.close()
-    summary = {"base": base, "final": final, "steps": trainer.step_count,
-               "train_minutes": (time.time() - start) / 60}  # fmt: skip
-    save_results(run_dir, summary, trainer.model, tokenizer)
-    console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
-    return run_dir
+
+def _save_snapshot(run_dir: Path, trainer: Trainer, step: int) -> str:
+    path = Path("snapshots") / f"step{step:06d}.safetensors"
+    (run_dir / "snapshots").mkdir(exist_ok=True)
+    save_file(trainer.weights(), run_dir / path)
+    return str(path)
 
 
 def save_results(run_dir: Path, summary: dict, model, tokenizer) -> None:

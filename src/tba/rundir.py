@@ -2,7 +2,9 @@
 
 <run_dir>/config.yaml      the resolved configuration
 <run_dir>/metrics.jsonl    one JSON object per optimizer step (eval fields when evaluated)
-<run_dir>/eval.json        base and final evaluation
+<run_dir>/events.jsonl     searchers started, died and restarted; interruptions
+<run_dir>/eval.json        base and final evaluation, waiting fraction, staleness histogram
+<run_dir>/snapshots/       policy weights every `eval.snapshot_minutes`, if asked
 <run_dir>/curves.png       held-out pass@1 and mean reward against wall-clock minutes
 <run_dir>/final/           the trained policy, loadable with `from_pretrained`
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -37,6 +40,30 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EventLog:
+    """Notable events, one JSON line each; all but routine ones also go to the console."""
+
+    ROUTINE = {"searcher_ready"}
+
+    def __init__(self, path: Path, log: Callable[[str], None]) -> None:
+        self.metrics = MetricsLog(path)
+        self.log = log
+
+    def __call__(self, kind: str, **fields) -> None:
+        self.metrics.write({"time": time.time(), "event": kind, **fields})
+        if kind not in self.ROUTINE or fields.get("incarnation"):
+            self.log(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def close(self) -> None:
+        self.metrics.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -124,6 +124,7 @@ class Searcher:
         elapsed = time.time() - start
         stats = {
             "gen_seconds": elapsed,
+            "generated": len(row_ids),
             "gen_tokens": tokens,
             "gen_tokens_per_s": tokens / elapsed,
             "truncated_frac": sum(out.truncated) / len(out.truncated),

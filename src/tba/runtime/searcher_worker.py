@@ -1,0 +1,138 @@
+"""A searcher in its own process (a Ray actor): it generates in a background thread and hands over
+what it made whenever the trainer asks.
+
+The actor is threaded: the generation loop runs in its own thread, so `collect` and
+`offer_weights` answer at once even while a batch is being generated, and the trainer never waits
+on generation in flight. Weights are offered as an object-store reference and adopted between
+batches; new samples wait in an outbox until the trainer collects them. A full outbox pauses the
+loop, so memory stays bounded however slow the trainer is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from collections import Counter
+
+import torch
+from transformers import AutoTokenizer
+
+from tba.buffer import Sample
+from tba.policy.model import load_model, resolve_device
+from tba.quiet import quiet_libraries
+from tba.searcher import Searcher, SearchSettings
+from tba.tasks import RewardFn
+
+
+class SearcherWorker:
+    def __init__(
+        self,
+        policy_dir: str,
+        rows: list[dict],
+        reward_fns: list[RewardFn],
+        settings: SearchSettings,
+        *,
+        searcher_id: int,
+        seed: int,
+        device: str,
+        num_threads: int,
+        weights_timeout_s: float,
+    ) -> None:
+        # Ray sets OMP_NUM_THREADS=1 in workers; the thread count is ours to choose.
+        torch.set_num_threads(num_threads)
+        quiet_libraries()
+        tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+        model = load_model(policy_dir, resolve_device(device))
+        self.searcher = Searcher(
+            model, tokenizer, rows, reward_fns, settings, searcher_id=searcher_id, seed=seed
+        )
+        self.weights_timeout_s = weights_timeout_s
+        self._lock = threading.Condition()
+        self._outbox: list[Sample] = []
+        self._offer: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
+        self._counters: Counter[str] = Counter()
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def offer_weights(self, version: int, refs: list) -> None:
+        """Weights of `version` to adopt before the next batch (wrapped in a list so that Ray
+        passes the reference instead of fetching the arrays here)."""
+        with self._lock:
+            if self._offer is None or version > self._offer[0]:
+                self._offer = (version, refs[0])
+
+    def generate_batch(
+        self, num_prompts: int, version: int, refs: list
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """Synchronous mode: one batch with the given weights, returned at once."""
+        self.offer_weights(version, refs)
+        self._adopt_offered_weights()
+        samples, stats = self.searcher.generate(num_prompts)
+        return samples, stats | {"version": self.searcher.version, "pid": os.getpid()}
+
+    def start(self, prompts_per_batch: int, max_unsent: int, version: int, refs: list) -> None:
+        """Asynchronous mode: generate until stopped, starting with the given weights."""
+        self.offer_weights(version, refs)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, args=(prompts_per_batch, max_unsent), daemon=True
+            )
+            self._thread.start()
+
+    def collect(self) -> dict:
+        """Samples made since the last call, with counters; re-raises a failure of the loop."""
+        with self._lock:
+            samples, self._outbox = self._outbox, []
+            counters, self._counters = dict(self._counters), Counter()
+            self._lock.notify_all()
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return {
+            "samples": samples,
+            "version": self.searcher.version,
+            "pid": os.getpid(),
+            **counters,
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _adopt_offered_weights(self) -> None:
+        import ray
+
+        with self._lock:
+            offer, self._offer = self._offer, None
+        if offer is not None and offer[0] > self.searcher.version:
+            start = time.time()
+            weights = ray.get(offer[1], timeout=self.weights_timeout_s)
+            self.searcher.set_weights(weights, offer[0])
+            self._counters["sync_seconds"] += time.time() - start
+
+    def _loop(self, prompts_per_batch: int, max_unsent: int) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    start = time.time()
+                    while len(self._outbox) >= max_unsent and not self._stop.is_set():
+                        self._lock.wait(timeout=1.0)
+                    self._counters["idle_seconds"] += time.time() - start
+                self._adopt_offered_weights()
+                samples, stats = self.searcher.generate(prompts_per_batch)
+                with self._lock:
+                    self._outbox += samples
+                    self._counters["num_samples"] += len(samples)
+                    self._counters["tokens"] += stats["gen_tokens"]
+                    self._counters["gen_seconds"] += stats["gen_seconds"]
+                    self._counters["dropped"] += stats["dropped"]
+                    self._counters["truncated"] += stats["truncated_frac"] * stats["generated"]
+        except BaseException as error:  # reported to the trainer by the next `collect`
+            self._error = f"{type(error).__name__}: {error}\n\n{traceback.format_exc()}"

@@ -1,0 +1,181 @@
+"""The trainer's side of the runtime without Ray: when weights go out and samples come in, the
+staleness bound, and the defaults that keep searchers and trainer from starving each other."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tba.buffer import ReplayBuffer, Sample
+from tba.config import load_config
+from tba.run import trainer_threads
+from tba.runtime.feed import DataFeed
+from tba.runtime.searcher_worker import SearcherWorker
+from tba.runtime.searchers import search_settings, searcher_seed
+
+
+def sample(prompt_id: int, version: int) -> Sample:
+    return Sample(
+        prompt_id=prompt_id, prompt_ids=[1, 2], response_ids=[3], reward=1.0, ref_logp=-1.0,
+        behaviour_logp=-1.0, version=version, searcher_id=0, created_at=0.0, truncated=False,
+    )  # fmt: skip
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.version = 0
+
+    def publish(self):
+        self.version += 1
+        return {"w": np.zeros(1)}, self.version
+
+
+class FakeSearchers:
+    """Makes one group of samples per call, with the version it was last given."""
+
+    def __init__(self, group_size: int = 2) -> None:
+        self.group_size = group_size
+        self.published: list[int] = []
+        self.collected_at: list[int] = []  # trainer version at each collect
+        self.started = False
+        self.prompt = 0
+
+    def publish(self, weights, version: int) -> None:
+        self.published.append(version)
+
+    def start(self) -> None:
+        self.started = True
+
+    def _make(self, num_prompts: int) -> list[Sample]:
+        made = []
+        for _ in range(num_prompts):
+            made += [sample(self.prompt, self.published[-1]) for _ in range(self.group_size)]
+            self.prompt += 1
+        return made
+
+    def generate(self, num_prompts: int):
+        return self._make(num_prompts), {"gen_tokens": 1}
+
+    def collect(self, trainer_version: int):
+        self.collected_at.append(trainer_version)
+        return self._make(1), {"searcher0/version_lag": 0}
+
+
+def feed_for(*overrides: str):
+    config = load_config(None, ["train.num_prompts=1", "train.group_size=2", *overrides])
+    trainer, searchers = FakeTrainer(), FakeSearchers()
+    buffer = ReplayBuffer(config.buffer.capacity)
+    return DataFeed(config, searchers, trainer, buffer), trainer, searchers, buffer
+
+
+def test_async_feed_publishes_and_merges_every_k_steps():
+    feed, trainer, searchers, buffer = feed_for("train.mode=async", "train.sync_every=3")
+    stop = threading.Event()
+    feed.start(stop)
+    assert searchers.started and searchers.published == [1] and len(buffer) == 2
+    for step in range(1, 8):
+        stats = feed.before_step(step, stop)
+        assert stats["wait_seconds"] < 0.05  # data is there: the trainer does not wait
+    # Steps 1, 4 and 7 are sync points; the first weights went out at the start.
+    assert searchers.published == [1, 2, 3]
+    assert searchers.collected_at[-3:] == [1, 2, 3]
+    assert buffer.latest_version == 3
+
+
+def test_sync_feed_generates_every_step_with_the_weights_just_published():
+    feed, trainer, searchers, buffer = feed_for("train.mode=sync", "searchers.count=0")
+    stop = threading.Event()
+    assert feed.start(stop) == 0.0 and not searchers.started
+    for step in (1, 2):
+        feed.before_step(step, stop)
+        assert buffer.latest_version == trainer.version == step
+    assert len(buffer) == 2 * 2
+
+
+def test_staleness_bound_evicts_old_samples_at_merge():
+    feed, trainer, searchers, buffer = feed_for("train.mode=async", "buffer.max_staleness=1")
+    stop = threading.Event()
+    feed.start(stop)
+    for step in range(1, 6):
+        feed.before_step(step, stop)
+    assert trainer.version == 5
+    assert buffer.staleness(trainer.version)["max"] <= 1
+    assert feed.stale_evicted > 0
+
+
+def test_trainer_leaves_the_searchers_their_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert trainer_threads(load_config(None, ["searchers.count=3"])) == 5
+    assert trainer_threads(load_config(None, ["searchers.count=16"])) == 1
+    assert trainer_threads(load_config(None, ["policy.num_threads=3"])) == 3
+    # Synchronous: searchers idle while the trainer steps, so it takes every core.
+    assert trainer_threads(load_config(None, ["train.mode=sync"])) is None
+    # On a cluster the searchers are elsewhere.
+    assert trainer_threads(load_config(None, ["ray.address=10.0.0.1:6379"])) is None
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_every_searcher_and_restart_has_its_own_stream(seed):
+    seeds = {searcher_seed(seed, i, incarnation) for i in range(4) for incarnation in range(3)}
+    assert len(seeds) == 12
+    assert searcher_seed(seed, 1, 0) == searcher_seed(seed, 1, 0)
+
+
+# --------------------------------------------------------------- the searcher process, in-process
+
+
+def always_one(prompts, completions, **columns):
+    return [1.0] * len(completions)
+
+
+@pytest.fixture
+def worker(tmp_path, tiny_model, tokenizer):
+    tiny_model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    settings = search_settings(load_config(None, ["train.group_size=3", "policy.max_new_tokens=4"]))
+    rows = [{"prompt": f"Q{i}\n", "answer": str(i)} for i in range(5)]
+    worker = SearcherWorker(
+        str(tmp_path / "policy"), rows, [always_one], settings, searcher_id=1, seed=0,
+        device="cpu", num_threads=1, weights_timeout_s=5,
+    )  # fmt: skip
+    yield worker
+    worker.stop()
+
+
+def test_searcher_loop_hands_over_each_sample_once_and_bounds_its_outbox(worker):
+    # Version 0 is what the worker loaded, so nothing is fetched from an object store here.
+    worker.start(prompts_per_batch=2, max_unsent=12, version=0, refs=[None])
+    handed: list[Sample] = []
+    deadline = time.time() + 30
+    while len(handed) < 30 and time.time() < deadline:
+        result = worker.collect()
+        handed += result["samples"]
+        assert result["pid"] == os.getpid() and result["version"] == 0
+        time.sleep(0.01)
+    assert len(handed) >= 30
+    assert len({id(s) for s in handed}) == len(handed)  # nothing handed over twice
+    assert all(s.searcher_id == 1 and len(s.response_ids) <= 4 for s in handed)
+    # Nobody collects: the loop pauses once the outbox is full (one batch may be in flight).
+    time.sleep(2.0)
+    first = worker.collect()
+    time.sleep(1.0)
+    second = worker.collect()
+    assert len(first["samples"]) <= 12 + 2 * 3
+    assert first["idle_seconds"] + second.get("idle_seconds", 0) > 0.5
+
+
+def test_searcher_loop_failure_is_reported_by_collect(worker):
+    def broken(prompts, completions, **columns):
+        raise ValueError("reward server down")
+
+    worker.searcher.reward_fns = [broken]
+    worker.start(prompts_per_batch=1, max_unsent=10, version=0, refs=[None])
+    deadline = time.time() + 30
+    with pytest.raises(RuntimeError, match="^ValueError: reward server down\n"):
+        while time.time() < deadline:
+            worker.collect()
+            time.sleep(0.05)
