@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tba.policy.logprobs import sequence_logprobs
+from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import frozen_copy, get_weights, load_model, set_weights
 from tba.policy.sampling import generate
 
@@ -182,6 +182,20 @@ def test_behaviour_logps_equal_sequence_logprobs(eos_prone_model, tokenizer, pro
             temperature=temperature,
         )
     np.testing.assert_allclose(scored.numpy(), np.array(out.logps), rtol=0, atol=1e-4)
+
+
+def test_behaviour_token_logps_equal_token_logprobs(eos_prone_model, tokenizer, prompts):
+    out = sample(eos_prone_model, prompts * 2, tokenizer, temperature=0.8)
+    with torch.no_grad():
+        scored, mask = token_logprobs(
+            eos_prone_model, prompts * 2, out.response_ids, pad_id=tokenizer.pad_token_id,
+            temperature=0.8,
+        )  # fmt: skip
+    for row, (behaviour, total) in enumerate(zip(out.token_logps, out.logps)):
+        assert len(behaviour) == len(out.response_ids[row]) == int(mask[row].sum())
+        np.testing.assert_allclose(scored[row, : len(behaviour)], behaviour, rtol=0, atol=1e-4)
+        assert sum(behaviour) == pytest.approx(total, abs=1e-4)
+    assert float((scored * (1 - mask)).abs().sum()) == 0.0  # padding holds zeros
 
 
 # ---------------------------------------------------------------------------- sequence_logprobs

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tba.buffer import Sample
 from tba.policy.logprobs import sequence_logprobs
+from tba.policy.model import frozen_copy
 from tba.searcher import PromptStream, Searcher, SearchSettings
 from tba.trainer import Trainer
 
@@ -117,3 +119,37 @@ def test_micro_batches_give_the_same_gradient(tokenizer):
         trainer.step(groups, beta=0.1)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss", ["tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo"])
+def test_every_loss_trains_on_searcher_samples(tiny_model, tokenizer, loss):
+    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one], settings())
+    samples, _ = searcher.generate(num_prompts=2)
+    for i, s in enumerate(samples):
+        s.reward = float(i % 3)  # distinct rewards in every group (a random policy rarely stops)
+    groups = [[s for s in samples if s.prompt_id == pid] for pid in {s.prompt_id for s in samples}]
+    trainer = Trainer(
+        tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0, learning_rate=1e-2,
+        max_grad_norm=1.0, loss=loss,
+    )  # fmt: skip
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    metrics = trainer.step(groups, beta=0.1)
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert metrics["grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
+
+
+def test_unknown_loss_is_refused(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="unknown loss 'ppo'; available: tb, dr_grpo"):
+        Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3, max_grad_norm=1.0,
+                loss="ppo")  # fmt: skip
+
+
+def test_clipped_losses_need_per_token_behaviour_logps(tiny_model, tokenizer):
+    prompt = tokenizer("Q\n")["input_ids"]
+    group = [Sample(0, prompt, [5, 6], reward=float(i), ref_logp=-2.0, behaviour_logp=-2.0,
+                    version=0) for i in range(2)]  # fmt: skip
+    trainer = Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3,
+                      max_grad_norm=1.0, loss="dr_grpo")  # fmt: skip
+    with pytest.raises(ValueError, match="per-token behaviour log-probs"):
+        trainer.step([group], beta=0.1)

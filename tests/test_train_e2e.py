@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tba.base_policy import builtin_policy_dir
@@ -75,3 +76,13 @@ def test_existing_run_directory_is_refused(tmp_path, fast_overrides, capsys):
     capsys.readouterr()
     assert main(["train", *fast_overrides, f"output_dir={run_dir}"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss", ["dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo"])
+def test_every_baseline_trains_through_the_same_pipeline(tmp_path, fast_overrides, loss):
+    run_dir = tmp_path / "run"
+    assert main(["train", *fast_overrides, f"train.loss={loss}", f"output_dir={run_dir}"]) == 0
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 3 and all(np.isfinite(r["loss"]) for r in steps)
+    assert "log_z" not in steps[0]  # TB's own metric
+    assert load_config(run_dir / "config.yaml").train.loss == loss

@@ -40,6 +40,8 @@ class Sample:
     created_at: float = 0.0
     truncated: bool = False
     reward_parts: dict[str, float] = field(default_factory=dict)
+    # Per response token; the clipped-ratio baselines need them, TB does not.
+    behaviour_token_logps: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

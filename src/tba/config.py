@@ -69,7 +69,12 @@ class TrainConfig(Section):
         description="async: searchers never stop, the trainer never waits; "
         "sync: generate with the latest weights, then train on exactly that",
     )
-    loss: Literal["tb"] = Field("tb", description="objective: VarGrad trajectory balance")
+    loss: Literal["tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo"] = Field(
+        "tb", description="objective: `tb` (VarGrad trajectory balance) or a baseline"
+    )
+    clip_eps: float = Field(
+        0.2, gt=0, description="ratio clip of dr_grpo, grpo and proximal_rloo"
+    )
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
     learning_rate: float = Field(5e-5, gt=0, description="Adam learning rate of the policy")

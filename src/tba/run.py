@@ -90,6 +90,8 @@ def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Tra
         learning_rate=config.train.learning_rate,
         warmup_steps=config.train.warmup_steps,
         max_grad_norm=config.train.max_grad_norm,
+        loss=config.train.loss,
+        clip_eps=config.train.clip_eps,
     )
 
 

@@ -111,6 +111,7 @@ class Searcher:
                 reward=rewards[i],
                 ref_logp=ref_logps[i],
                 behaviour_logp=out.logps[i],
+                behaviour_token_logps=out.token_logps[i],
                 version=self.version,
                 searcher_id=self.searcher_id,
                 created_at=now,

@@ -5,9 +5,32 @@ policy to the KL-regularised target ``pi_ref(y|x) exp(r(x, y) / beta)`` by drivi
 variance of ``log pi - log pi_ref - r / beta`` to zero; :func:`group_mean` provides the
 vectorised per-prompt averaging shared by group-based losses, and :class:`BetaSchedule` gives
 the (possibly annealed) beta as a function of training progress.
+
+Baselines for comparison (:mod:`tba.objectives.baselines`), all on the same grouped batches and,
+except DPO, on the same KL-shaped reward ``r - beta * stopgrad(log pi - log pi_ref)``:
+:func:`dr_grpo_loss` and :func:`grpo_loss` (token-level PPO-clip with a group-mean or
+group-standardised advantage), :func:`rloo_loss` (REINFORCE with a leave-one-out baseline),
+:func:`proximal_rloo_loss` (RLOO with a clipped sequence-level importance ratio, for off-policy
+data) and :func:`online_dpo_loss` (DPO on the best-vs-worst response of each group).
 """
 
+from tba.objectives.baselines import (
+    dr_grpo_loss,
+    grpo_loss,
+    online_dpo_loss,
+    proximal_rloo_loss,
+    rloo_loss,
+)
 from tba.objectives.schedules import BetaSchedule
 from tba.objectives.tb import group_mean, tb_loss
 
-__all__ = ["BetaSchedule", "group_mean", "tb_loss"]
+__all__ = [
+    "BetaSchedule",
+    "dr_grpo_loss",
+    "group_mean",
+    "grpo_loss",
+    "online_dpo_loss",
+    "proximal_rloo_loss",
+    "rloo_loss",
+    "tb_loss",
+]

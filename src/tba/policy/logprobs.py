@@ -1,8 +1,9 @@
-"""The sequence log-prob used everywhere: searcher (reference log-probs) and trainer alike.
+"""The log-probs used everywhere: searcher (reference log-probs) and trainer alike.
 
-    log pi(y | x) = sum_t log_softmax(logits_t / temperature)[y_t]
+    log pi(y_t | x, y_<t) = log_softmax(logits_t / temperature)[y_t]      (token_logprobs)
+    log pi(y | x)         = sum_t log pi(y_t | x, y_<t)                    (sequence_logprobs)
 
-summed over every response token, EOS included, with no length normalisation.
+over every response token, EOS included, with no length normalisation.
 
 A batch usually holds K responses per prompt, so each distinct prompt runs through the model once
 and its KV cache is shared by all of its responses (gradients flow through the shared prompt).
@@ -25,6 +26,22 @@ def sequence_logprobs(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Summed response log-probs, shape (len(prompts),), float32, differentiable."""
+    token_logps, mask = token_logprobs(
+        model, prompts, responses, pad_id=pad_id, temperature=temperature
+    )
+    return (token_logps * mask).sum(-1)
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token response log-probs (N, T), right-padded, float32, differentiable, and the 0/1
+    float mask (N, T) of real response tokens."""
     if any(len(r) == 0 for r in responses):
         raise ValueError("every response needs at least one token")
     device = next(model.parameters()).device
@@ -51,4 +68,5 @@ def sequence_logprobs(
     logits = torch.cat([prompt_out.logits[index, -1:], response_out.logits[:, :-1]], dim=1)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     token_logps = log_probs.gather(-1, response_ids[..., None]).squeeze(-1)
-    return (token_logps * response_mask).sum(-1)
+    mask = response_mask.to(token_logps.dtype)
+    return token_logps * mask, mask

@@ -19,6 +19,7 @@ from tba.policy.batching import left_pad, unique_prompts
 class Generation:
     response_ids: list[list[int]]  # EOS included when the response ended
     logps: list[float]  # behaviour log-prob of each response at the sampling temperature
+    token_logps: list[list[float]]  # the same per response token (they sum to `logps`)
     truncated: list[bool]  # hit max_new_tokens without EOS
 
 
@@ -49,7 +50,7 @@ def generate(
 
     n = len(prompts)
     tokens = torch.empty((n, 0), dtype=torch.long, device=device)
-    logps = torch.zeros(n, device=device)
+    step_logps: list[torch.Tensor] = []
     done = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
@@ -59,7 +60,7 @@ def generate(
         else:
             token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
         token = torch.where(done, torch.full_like(token, pad_id), token)
-        logps += torch.where(done, 0.0, log_probs.gather(-1, token[:, None]).squeeze(-1))
+        step_logps.append(torch.where(done, 0.0, log_probs.gather(-1, token[:, None]).squeeze(-1)))
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         finished_now = ~done & (token == eos_id)
         lengths = torch.where(finished_now, step + 1, lengths)
@@ -78,11 +79,11 @@ def generate(
         next_position = next_position + 1
     model.train(was_training)
 
-    rows = tokens.tolist()
+    token_logps = torch.stack(step_logps, dim=1)
     lengths_list = lengths.tolist()
-    done_list = done.tolist()
     return Generation(
-        response_ids=[row[:length] for row, length in zip(rows, lengths_list)],
-        logps=logps.tolist(),
-        truncated=[not d for d in done_list],
+        response_ids=[row[:length] for row, length in zip(tokens.tolist(), lengths_list)],
+        logps=token_logps.sum(-1).tolist(),
+        token_logps=[row[:length] for row, length in zip(token_logps.tolist(), lengths_list)],
+        truncated=[not d for d in done.tolist()],
     )
