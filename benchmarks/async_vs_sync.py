@@ -20,21 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
-from safetensors.numpy import load_file
-from transformers import AutoTokenizer
+from common import minutes_to, pass_at_1_curve, plot_curves, run_tba  # the script's folder
 
-from tba.config import load_config
-from tba.evaluation import greedy_pass_at_1
-from tba.policy.model import load_model, set_weights
 from tba.quiet import quiet_libraries
-from tba.rundir import read_metrics
-from tba.tasks import build_task
 
 MODES = {
     "sync": ["train.mode=sync", "searchers.count=0"],
@@ -44,42 +35,9 @@ MODES = {
 
 def run(mode: str, out: Path, args: argparse.Namespace) -> Path:
     run_dir = out / mode
-    command = [
-        sys.executable, "-m", "tba.cli", "train", *MODES[mode],
-        f"train.max_minutes={args.minutes}", "train.max_steps=1000000", "eval.every=1000000",
-        f"eval.snapshot_minutes={args.snapshot_minutes}", f"task.num_eval={args.num_eval}",
-        f"seed={args.seed}", f"output_dir={run_dir}", *args.overrides,
-    ]  # fmt: skip
-    print(f"[{time.strftime('%H:%M:%S')}] {mode}: {' '.join(command[3:])}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / f"{mode}.log").open("w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    overrides = [*MODES[mode], f"task.num_eval={args.num_eval}", f"seed={args.seed}"]
+    run_tba(run_dir, [*overrides, *args.overrides], args.minutes, args.snapshot_minutes)
     return run_dir
-
-
-def pass_at_1_curve(run_dir: Path) -> list[tuple[float, int, float]]:
-    """(minutes, step, greedy pass@1) at the start and at every snapshot."""
-    config = load_config(run_dir / "config.yaml")
-    task = build_task(
-        config.task.name, num_train=1, num_eval=config.task.num_eval, seed=config.seed
-    )
-    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
-    model = load_model(str(run_dir / "final"), "cpu")
-    records = read_metrics(run_dir / "metrics.jsonl")
-    curve = [(0.0, 0, records[0]["eval_pass@1"])]
-    for record in records:
-        if "snapshot" in record:
-            set_weights(model, load_file(run_dir / record["snapshot"]))
-            score = greedy_pass_at_1(
-                model, tokenizer, task.eval_rows, task.correct_fn,
-                max_new_tokens=config.policy.max_new_tokens,
-            )  # fmt: skip
-            curve.append((record["time"] / 60, record["step"], score))
-    return curve
-
-
-def minutes_to(target: float, curve: list[tuple[float, int, float]]) -> float | None:
-    return next((minutes for minutes, _, score in curve if score >= target), None)
 
 
 def main() -> None:
@@ -111,7 +69,8 @@ def main() -> None:
             "trainer_wait_frac": summary["trainer_wait_frac"],
         }
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(results, args.target, args.out / "async_vs_sync.png")
+    curves = {mode: r["curve"] for mode, r in results.items()}
+    plot_curves(curves, args.target, args.out / "async_vs_sync.png")
     print_table(results, args)
 
 
@@ -134,25 +93,6 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
         print(f"\nasync reaches the target {sync_t / async_t:.2f}x as fast as sync")
     else:
         print("\nspeed-up: not measurable (a mode did not run or reach the target in the budget)")
-
-
-def plot(results: dict, target: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, r in results.items():
-        minutes, _, scores = zip(*r["curve"])
-        ax.plot(minutes, scores, marker="o", markersize=3, label=mode)
-    ax.axhline(target, color="grey", linestyle=":", label="target")
-    ax.set_xlabel("wall-clock minutes of training")
-    ax.set_ylabel("held-out greedy pass@1")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

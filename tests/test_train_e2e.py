@@ -7,10 +7,12 @@ import json
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tba.base_policy import builtin_policy_dir
 from tba.cli import main
 from tba.config import load_config
+from tba.policy.model import load_model
 from tba.rundir import read_metrics
 
 FAST = [
@@ -86,3 +88,15 @@ def test_every_baseline_trains_through_the_same_pipeline(tmp_path, fast_override
     assert len(steps) == 3 and all(np.isfinite(r["loss"]) for r in steps)
     assert "log_z" not in steps[0]  # TB's own metric
     assert load_config(run_dir / "config.yaml").train.loss == loss
+
+
+def test_snapshots_are_saved_for_evaluation_after_the_run(tmp_path, fast_overrides):
+    run_dir = tmp_path / "run"
+    overrides = [*fast_overrides, "eval.snapshot_minutes=0.0001", f"output_dir={run_dir}"]
+    assert main(["train", *overrides]) == 0
+    snapshots = [r for r in read_metrics(run_dir / "metrics.jsonl") if "snapshot" in r]
+    assert [r["step"] for r in snapshots] == [1, 2, 3, 3]  # every step, and at the end
+    assert all((run_dir / r["snapshot"]).exists() for r in snapshots)
+    final = load_model(str(run_dir / "final"), "cpu").state_dict()
+    last = load_file(run_dir / snapshots[-1]["snapshot"])
+    assert all(np.array_equal(last[name], tensor.numpy()) for name, tensor in final.items())

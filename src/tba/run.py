@@ -232,6 +232,9 @@ def _train_loop(
                 status=f"reward {record['reward_mean']:.2f}  pass@1 {last_eval['eval_pass@1']:.3f}",
             )  # fmt: skip
         train_seconds = time.time() - start
+        if snapshot_every is not None:  # the policy as the run ends, too
+            snapshot = _save_snapshot(run_dir, trainer, trainer.step_count)
+            metrics.write({"step": trainer.step_count, "time": train_seconds, "snapshot": snapshot})
     if stop.is_set():
         events("interrupted", step=trainer.step_count)
     return {
@@ -245,6 +248,8 @@ def _train_loop(
         "trainer_sync_frac": waiting["sync"] / max(waiting["total"], 1e-9),
         "eval_frac": waiting["eval"] / max(waiting["total"], 1e-9),
         "staleness_histogram": {str(lag): n for lag, n in sorted(staleness_hist.items())},
+        "samples_merged": feed.merged,
+        "samples_per_s": feed.merged / max(train_seconds, 1e-9),
         "evicted_stale": feed.stale_evicted,
         "evicted_capacity": feed.capacity_evicted,
         "searcher_restarts": getattr(searchers, "restarts", 0),

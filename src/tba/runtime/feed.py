@@ -26,6 +26,7 @@ class DataFeed:
         self.searchers = searchers
         self.trainer = trainer
         self.buffer = buffer
+        self.merged = 0
         self.stale_evicted = 0
         self.capacity_evicted = 0
 
@@ -70,6 +71,7 @@ class DataFeed:
         return time.time() - start
 
     def _merge(self, samples: list[Sample]) -> None:
+        self.merged += len(samples)
         self.capacity_evicted += self.buffer.add(samples)
         max_staleness = self.config.buffer.max_staleness
         if max_staleness is not None:
