@@ -66,7 +66,7 @@ class LocalSearchers:
         return self.searcher.generate(num_prompts)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the searcher lives and ends with this process."""
 
 
 @dataclass
