@@ -66,7 +66,6 @@ from typing import Any
 import torch
 import trl
 from datasets import Dataset
-from safetensors.numpy import save_file
 from transformers import (
     AutoTokenizer,
     PreTrainedModel,
@@ -82,7 +81,7 @@ from tba.base_policy import resolve_policy
 from tba.config import ConfigError, RunConfig, dump_config, load_config
 from tba.policy.model import get_weights, load_model, resolve_device
 from tba.quiet import quiet_libraries
-from tba.rundir import MetricsLog
+from tba.rundir import MetricsLog, save_snapshot
 from tba.tasks import RewardFn, Task, build_task
 
 # A step budget no run reaches: the wall clock ends training (TimeBudget below).
@@ -253,13 +252,11 @@ class Snapshots(TrainerCallback):
         self.every = every_seconds
         self.next_due = every_seconds
         self.last_step: int | None = None
-        (run_dir / "snapshots").mkdir()
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
 
     def save(self, step: int, seconds: float) -> None:
-        path = Path("snapshots") / f"step{step:06d}.safetensors"
-        save_file(get_weights(self.model), self.run_dir / path)
-        self.metrics.write({"step": step, "time": seconds, "snapshot": str(path)})
+        path = save_snapshot(self.run_dir, get_weights(self.model), step)
+        self.metrics.write({"step": step, "time": seconds, "snapshot": path})
         self.last_step = step
 
     def on_step_end(

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
 from tba.base_policy import resolve_policy
@@ -41,7 +40,14 @@ from tba.config import RunConfig, dump_config
 from tba.evaluation import greedy_pass_at_1, sampled_pass_at_k
 from tba.objectives import BetaSchedule
 from tba.policy.model import load_model, resolve_device
-from tba.rundir import EventLog, MetricsLog, create_run_dir, plot_curves, read_metrics
+from tba.rundir import (
+    EventLog,
+    MetricsLog,
+    create_run_dir,
+    plot_curves,
+    read_metrics,
+    save_snapshot,
+)
 from tba.runtime.feed import DataFeed
 from tba.runtime.searchers import open_searchers
 from tba.tasks import Task, build_task
@@ -224,7 +230,7 @@ def _train_loop(
                 "trainer_wait_frac": (waiting["wait"] + waiting["sync"]) / waiting["total"],
             }
             if next_snapshot is not None and now - start >= next_snapshot:
-                record["snapshot"] = _save_snapshot(run_dir, trainer, step)
+                record["snapshot"] = save_snapshot(run_dir, trainer.weights(), step)
                 next_snapshot += snapshot_every
             metrics.write(record)
             progress.update(
@@ -233,7 +239,7 @@ def _train_loop(
             )  # fmt: skip
         train_seconds = time.time() - start
         if snapshot_every is not None:  # the policy as the run ends, too
-            snapshot = _save_snapshot(run_dir, trainer, trainer.step_count)
+            snapshot = save_snapshot(run_dir, trainer.weights(), trainer.step_count)
             metrics.write({"step": trainer.step_count, "time": train_seconds, "snapshot": snapshot})
     if stop.is_set():
         events("interrupted", step=trainer.step_count)
@@ -254,13 +260,6 @@ def _train_loop(
         "evicted_capacity": feed.capacity_evicted,
         "searcher_restarts": getattr(searchers, "restarts", 0),
     }
-
-
-def _save_snapshot(run_dir: Path, trainer: Trainer, step: int) -> str:
-    path = Path("snapshots") / f"step{step:06d}.safetensors"
-    (run_dir / "snapshots").mkdir(exist_ok=True)
-    save_file(trainer.weights(), run_dir / path)
-    return str(path)
 
 
 def save_results(run_dir: Path, summary: dict, model, tokenizer) -> None:

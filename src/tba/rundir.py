@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+from safetensors.numpy import save_file
+
 
 def create_run_dir(output_dir: str | None) -> Path:
     path = Path(output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -64,6 +67,15 @@ class EventLog:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def save_snapshot(run_dir: Path, weights: dict[str, np.ndarray], step: int) -> str:
+    """Policy weights as snapshots/stepNNNNNN.safetensors; returns the path relative to run_dir,
+    as metrics.jsonl records it."""
+    path = Path("snapshots") / f"step{step:06d}.safetensors"
+    (run_dir / "snapshots").mkdir(exist_ok=True)
+    save_file(weights, run_dir / path)
+    return str(path)
 
 
 def read_metrics(path: Path) -> list[dict]:
