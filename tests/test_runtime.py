@@ -18,10 +18,11 @@ from tba.runtime.searcher_worker import SearcherWorker
 from tba.runtime.searchers import search_settings, searcher_seed
 
 
-def sample(prompt_id: int, version: int) -> Sample:
+def sample(prompt_id: int, version: int, seq: int = 0, incarnation: int = 0) -> Sample:
     return Sample(
         prompt_id=prompt_id, prompt_ids=[1, 2], response_ids=[3], reward=1.0, ref_logp=-1.0,
         behaviour_logp=-1.0, version=version, searcher_id=0, created_at=0.0, truncated=False,
+        incarnation=incarnation, seq=seq,
     )  # fmt: skip
 
 
@@ -43,6 +44,7 @@ class FakeSearchers:
         self.collected_at: list[int] = []  # trainer version at each collect
         self.started = False
         self.prompt = 0
+        self.seq = 0
 
     def publish(self, weights, version: int) -> None:
         self.published.append(version)
@@ -53,9 +55,14 @@ class FakeSearchers:
     def _make(self, num_prompts: int) -> list[Sample]:
         made = []
         for _ in range(num_prompts):
-            made += [sample(self.prompt, self.published[-1]) for _ in range(self.group_size)]
+            for _ in range(self.group_size):
+                made.append(sample(self.prompt, self.published[-1], self.seq))
+                self.seq += 1
             self.prompt += 1
         return made
+
+    def take_reward_faults(self):
+        return []
 
     def generate(self, num_prompts: int):
         return self._make(num_prompts), {"gen_tokens": 1}
@@ -104,7 +111,22 @@ def test_staleness_bound_evicts_old_samples_at_merge():
         feed.before_step(step, stop)
     assert trainer.version == 5
     assert buffer.staleness(trainer.version)["max"] <= 1
-    assert feed.stale_evicted > 0
+    assert feed.counts["stale_evicted"] > 0
+
+
+def test_feed_drops_duplicates_and_counts_gaps():
+    feed, trainer, searchers, buffer = feed_for("train.mode=sync", "searchers.count=0")
+    trainer.publish()
+    feed._merge([sample(0, 1, seq) for seq in (0, 1, 2)])
+    feed._merge([sample(0, 1, seq) for seq in (2, 3, 6)])  # 2 again; 4 and 5 never arrived
+    feed._merge([sample(1, 1, 0, incarnation=1)])  # a restarted searcher numbers from 0
+    assert len(buffer) == 6
+    assert feed.counts["merged"] == 6
+    assert feed.counts["duplicates"] == 1 and feed.counts["lost"] == 2
+    restored = feed_for("train.mode=sync", "searchers.count=0")[0]
+    restored.restore(feed.state())
+    restored._merge([sample(0, 1, 6)])
+    assert restored.counts["duplicates"] == 2
 
 
 def test_trainer_leaves_the_searchers_their_cores(monkeypatch):
@@ -158,6 +180,8 @@ def test_searcher_loop_hands_over_each_sample_once_and_bounds_its_outbox(worker)
         time.sleep(0.01)
     assert len(handed) >= 30
     assert len({id(s) for s in handed}) == len(handed)  # nothing handed over twice
+    assert [s.seq for s in handed] == list(range(len(handed)))  # numbered in order, no gaps
+    assert result["stream_taken"] == len(handed) // 3  # prompts of the batches handed over
     assert all(s.searcher_id == 1 and len(s.response_ids) <= 4 for s in handed)
     # Nobody collects: the loop pauses once the outbox is full (one batch may be in flight).
     time.sleep(2.0)
@@ -172,10 +196,12 @@ def test_searcher_loop_failure_is_reported_by_collect(worker):
     def broken(prompts, completions, **columns):
         raise ValueError("reward server down")
 
-    worker.searcher.reward_fns = [broken]
+    worker.searcher.scorer.reward_fns = [broken]
     worker.start(prompts_per_batch=1, max_unsent=10, version=0, refs=[None])
     deadline = time.time() + 30
-    with pytest.raises(RuntimeError, match="^ValueError: reward server down\n"):
+    # Each failed call only drops its completions; five in a row stop the loop.
+    match = "^RewardError: reward function 'broken' failed on its last 5 calls.*reward server down"
+    with pytest.raises(RuntimeError, match=match):
         while time.time() < deadline:
             worker.collect()
             time.sleep(0.05)

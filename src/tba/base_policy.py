@@ -1,10 +1,16 @@
-"""Where the policy comes from: the built-in tiny math policy (pretrained once, then cached) or a
-directory saved with `save_pretrained`."""
+"""Where the policy comes from: the built-in tiny math policy (pretrained once, then cached), a
+directory saved with `save_pretrained`, or a model on the Hugging Face Hub.
+
+A Hub id is resolved here, in the `tba train` process, to a local snapshot in the Hub cache
+(downloaded once; `HF_HUB_OFFLINE=1` uses the cache only), and every searcher loads that same
+directory: the trainer and the searchers can never load different revisions.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -29,9 +35,11 @@ def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -
     """A local directory holding the policy's weights and tokenizer, building it when needed."""
     if model != BUILTIN:
         path = Path(model).expanduser()
-        if not path.is_dir():
+        if path.is_dir():
+            return path
+        if _looks_like_a_path(model):
             raise FileNotFoundError(f"policy.model: no model directory at {path}")
-        return path
+        return hub_snapshot(model)
     target = builtin_policy_dir(pretrain, seed)
     if (target / "config.json").exists():
         return target
@@ -50,3 +58,38 @@ def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -
     )
     staging.rename(target)  # atomic: a half-built policy is never mistaken for a cached one
     return target
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """Hub ids are `name` or `owner/name`; anything else can only be meant as a directory."""
+    return model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
+
+
+def hub_snapshot(model_id: str) -> Path:
+    """The local directory of a Hub model's files (weights, config, tokenizer), downloaded into
+    the Hub cache unless already there. Any failure becomes one line naming what was looked for."""
+    from huggingface_hub import constants, snapshot_download
+
+    # The variable as it is now, not only as it was when huggingface_hub was imported.
+    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+    offline = flag or constants.HF_HUB_OFFLINE
+    try:
+        return Path(
+            snapshot_download(
+                model_id,
+                local_files_only=offline,
+                # Only what `from_pretrained` reads: no other frameworks' copies of the weights.
+                ignore_patterns=["*.h5", "*.msgpack", "*.onnx", "*.ot", "*.gguf", "original/*"],
+            )
+        )
+    except Exception as error:  # offline, not found, gated, no network: all the same to the user
+        where = f"the Hub cache ({constants.HF_HUB_CACHE})"
+        if offline:
+            looked = f"{where} only (HF_HUB_OFFLINE=1)"
+        else:
+            looked = f"the Hugging Face Hub and {where}"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise FileNotFoundError(
+            f"policy.model: {model_id!r} is not a local directory and was not found in {looked}: "
+            f"{type(error).__name__}{': ' + reason if reason else ''}"
+        ) from None

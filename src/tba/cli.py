@@ -1,12 +1,16 @@
 """The `tba` command line.
 
     tba train [CONFIG.yaml] [key=value ...]     train (default: the embedded math task)
+    tba train --resume RUN_DIR [key=value ...]  continue a run from its newest checkpoint
+    tba train --overwrite ...                   replace the run in output_dir
     tba pretrain [CONFIG.yaml] [key=value ...]  build the built-in base policy (cached)
     tba config [CONFIG.yaml] [key=value ...]    print the resolved configuration
 
-Bad input (unknown key, wrong type, out-of-range value, missing or malformed file) prints one line
-naming the problem and exits with status 2; a searcher that cannot be kept running, status 1;
-Ctrl-C stops after the current step, saves the run and exits with status 130.
+Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, a checkpoint
+that does not fit) prints one line naming the problem and exits with status 2; a run that cannot
+go on (a searcher that cannot be kept running, a reward function failing call after call,
+non-finite losses step after step), status 1; Ctrl-C stops after the current step, saves the run
+(checkpoint included) and exits with status 130.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import sys
 from pathlib import Path
 
 from tba.config import ConfigError, dump_config, load_config
+from tba.errors import CheckpointError, RunError
 from tba.quiet import quiet_libraries
-from tba.runtime.errors import SearcherError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     ]:
         command = commands.add_parser(name, help=text, description=text)
         command.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+        if name == "train":
+            command.add_argument(
+                "--resume", metavar="RUN_DIR", type=Path,
+                help="continue this run from its newest checkpoint; key=value overrides its "
+                "config (e.g. train.max_steps)",
+            )  # fmt: skip
+            command.add_argument(
+                "--overwrite", action="store_true", help="replace a run already in output_dir"
+            )
     return parser
 
 
@@ -41,10 +54,22 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
+def _resume_config(run_dir: Path, path: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
+    """A resumed run reads its own config.yaml; overrides still apply."""
+    if path is not None:
+        raise ConfigError(f"--resume uses {run_dir / 'config.yaml'}; give only key=value overrides")
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {run_dir}: no run there (config.yaml not found)")
+    return run_dir / "config.yaml", [*overrides, f"output_dir={run_dir}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     path, overrides = _split_args(options.args)
+    resume = getattr(options, "resume", None)
     try:
+        if resume is not None:
+            path, overrides = _resume_config(resume, path, overrides)
         config = load_config(path, overrides)
         if options.command == "config":
             print(dump_config(config), end="")
@@ -61,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from tba.run import train
 
-        run_dir = train(config, console)
+        run_dir = train(config, console, resume=resume is not None, overwrite=options.overwrite)
         interrupted = json.loads((run_dir / "eval.json").read_text())["interrupted"]
         console.log(f"{'interrupted, saved' if interrupted else 'done'}: {run_dir}")
         return 130 if interrupted else 0
-    except (ConfigError, FileExistsError, FileNotFoundError) as error:
+    except (ConfigError, CheckpointError, FileExistsError, FileNotFoundError) as error:
         print(f"tba: error: {error}", file=sys.stderr)
         return 2
-    except SearcherError as error:
+    except RunError as error:
         print(f"tba: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

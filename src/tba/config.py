@@ -27,8 +27,17 @@ class Section(BaseModel):
 class PolicyConfig(Section):
     model: str = Field(
         "builtin:math",
-        description="`builtin:math` (the embedded tiny policy, built on first use) or a "
-        "directory saved with `save_pretrained`",
+        description="`builtin:math` (the embedded tiny policy, built on first use), a directory "
+        "saved with `save_pretrained`, or a Hugging Face Hub model id (downloaded once into the "
+        "Hub cache; `HF_HUB_OFFLINE=1` uses the cache only); also the reference policy",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="weights of trainer and searchers; `bfloat16`: the optimizer updates fp32 "
+        "master weights, the loss runs in fp32",
+    )
+    chat_template: bool = Field(
+        False, description="wrap every prompt in the tokenizer's chat template (instruct models)"
     )
     device: str = Field(
         "auto", description="trainer device: `auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`"
@@ -56,11 +65,94 @@ class PretrainConfig(Section):
     cache_dir: str = Field("~/.cache/tba", description="where built-in base policies are kept")
 
 
+DATASET_TASKS = ("gsm8k", "competition_math", "tldr")
+
+
 class TaskConfig(Section):
-    name: Literal["math"] = Field("math", description="the embedded synthetic math task")
-    num_train: int = Field(5000, ge=1, description="training prompts")
-    num_eval: int = Field(256, ge=1, description="held-out problems for greedy pass@1")
+    name: Literal["math", "gsm8k", "competition_math", "tldr"] = Field(
+        "math", description="`math`: the embedded synthetic task; `gsm8k`, `competition_math` "
+        "(MATH, `\\boxed{}` answers) and `tldr` (reward-model summaries) read real data",
+    )
+    num_train: int | None = Field(
+        5000, ge=1, description="training prompts (a dataset's first N rows; null: all)"
+    )
+    num_eval: int | None = Field(
+        256, ge=1, description="held-out problems for greedy pass@1 (first N rows; null: all)"
+    )
     num_eval_pass_k: int = Field(128, ge=1, description="held-out problems for pass@k")
+    train_path: str | None = Field(
+        None, description="training rows: a local .jsonl, .json, .parquet or .csv file "
+        "(default: task.dataset's train_split)",
+    )
+    eval_path: str | None = Field(
+        None, description="held-out rows, as train_path (default: eval_split of eval_dataset, "
+        "else of dataset)",
+    )
+    dataset: str | None = Field(
+        None, description="a dataset for `datasets.load_dataset` by name (a Hub id, or a local "
+        "folder of split files), read where no path is given",
+    )
+    dataset_config: str | None = Field(
+        None, description="its configuration, e.g. `main` for `openai/gsm8k`"
+    )
+    train_split: str = Field("train", description="split of task.dataset to train on")
+    eval_dataset: str | None = Field(
+        None, description="held-out rows from another dataset by name (default: task.dataset)"
+    )
+    eval_dataset_config: str | None = Field(
+        None, description="configuration of eval_dataset (default: task.dataset_config)"
+    )
+    eval_split: str = Field("test", description="split of the held-out dataset to evaluate on")
+    prompt_template: str | None = Field(
+        None, description="prompt made from a row, `{column}` fields, `{{`/`}}` for braces "
+        "(default per task; gsm8k: `[MATH_TASK] Problem:\\n{question}\\n\\nSolution:`)",
+    )
+    answer_field: str | None = Field(
+        None, description="the row's gold column (default: gsm8k `answer`, text after "
+        "`####`; competition_math `solution`, last `\\boxed{}`; tldr `reference_response`)",
+    )
+    reward_model: str | None = Field(
+        None, description="tldr: sequence-classification reward model, Hub id or directory"
+    )
+    eval_reward_model: str | None = Field(
+        None, description="tldr: the judge of the held-out win rate against the reference "
+        "summaries (default: reward_model)",
+    )
+    reward_device: str = Field(
+        "auto", description="device of the reward models in each process, as policy.device"
+    )
+    reward_batch_size: int = Field(32, ge=1, description="texts per reward-model forward pass")
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        data_keys = ["train_path", "eval_path", "dataset", "dataset_config", "eval_dataset",
+                     "eval_dataset_config", "prompt_template", "answer_field", "reward_model",
+                     "eval_reward_model"]  # fmt: skip
+        if self.name == "math":
+            given = [key for key in data_keys if getattr(self, key) is not None]
+            if given:
+                raise ValueError(
+                    f"task.{given[0]} applies to the dataset tasks ({', '.join(DATASET_TASKS)}), "
+                    "not to the embedded math task"
+                )
+            if self.num_train is None or self.num_eval is None:
+                raise ValueError("the embedded math task needs task.num_train and task.num_eval")
+            return self
+        if self.train_path is None and self.dataset is None:
+            raise ValueError(f"task.name={self.name} needs task.train_path or task.dataset")
+        if self.eval_path is None and self.eval_dataset is None and self.dataset is None:
+            raise ValueError(
+                f"task.name={self.name} needs task.eval_path, task.eval_dataset or task.dataset"
+            )
+        if self.name == "tldr" and self.reward_model is None:
+            raise ValueError("task.name=tldr needs task.reward_model")
+        if self.name != "tldr" and (self.reward_model or self.eval_reward_model):
+            raise ValueError(f"task.reward_model applies to tldr, not to {self.name}")
+        if self.prompt_template is not None:
+            from tba.tasks.data import check_template
+
+            check_template(self.prompt_template)
+        return self
 
 
 class TrainConfig(Section):
@@ -98,6 +190,18 @@ class TrainConfig(Section):
         "penalize", description="responses without EOS: reward `truncation_penalty`, or drop"
     )
     truncation_penalty: float = Field(-1.0, description="reward of a response without EOS")
+    max_nonfinite_steps: int = Field(
+        10, ge=1, description="steps with a non-finite loss or gradient are skipped; this many "
+        "in a row stop the run (after a checkpoint of the last good state)",
+    )
+    micro_batch_groups: int | None = Field(
+        None, ge=1, description="groups per forward/backward pass, gradients accumulated over "
+        "the batch; groups stay whole (default: the whole batch at once)",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory, ~30% "
+        "more compute (each response then runs with its prompt instead of sharing its KV cache)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -109,6 +213,19 @@ class TrainConfig(Section):
         if self.beta_start_frac > self.beta_end_frac:
             raise ValueError("beta_start_frac must be <= beta_end_frac")
         return self
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (`peft`): the trainer trains and the searchers receive only these; the
+    reference policy is the base model with the adapter switched off."""
+
+    r: int = Field(0, ge=0, description="adapter rank; 0 trains every weight (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0, description="adapter scale: updates are alpha / r * B A x")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="modules that get an adapter: `all-linear` (every linear "
+        "layer but the output head), a list of module names, or a regex of full names",
+    )
 
 
 class BufferConfig(Section):
@@ -149,6 +266,14 @@ class SearchersConfig(Section):
     max_restarts: int = Field(
         5, ge=0, description="restarts allowed per searcher before the run fails"
     )
+    reward_timeout_s: float = Field(
+        60.0, gt=0, description="a reward function call that takes longer fails: its "
+        "completions are dropped and counted",
+    )
+    max_reward_failures: int = Field(
+        5, ge=1, description="a reward function that fails on this many calls in a row stops "
+        "the run",
+    )
 
 
 class RayConfig(Section):
@@ -166,9 +291,25 @@ class RayConfig(Section):
     )
 
 
+class CheckpointConfig(Section):
+    """Checkpoints in <run_dir>/checkpoints/: policy, optimizer, schedule, replay buffer, RNG
+    states and searcher positions, enough for `tba train --resume RUN_DIR`."""
+
+    every: int | None = Field(None, ge=1, description="save every N optimizer steps")
+    every_minutes: float | None = Field(
+        5.0, gt=0, description="save every N minutes of training (a checkpoint is also saved "
+        "at exit, whatever these two say)",
+    )
+    keep: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
+
+
 class EvalConfig(Section):
     every: int = Field(25, ge=1, description="evaluate held-out greedy pass@1 every N steps")
     pass_k: int = Field(16, ge=1, description="k of the pass@k reported at start and end")
+    batch_size: int = Field(
+        256, ge=1, description="prompts generated at once in greedy pass@1 (pass@k: twice as "
+        "many sequences)",
+    )
     snapshot_minutes: float | None = Field(
         None, gt=0, description="also save the policy every N minutes of training to "
         "snapshots/, to evaluate after the run without pausing it",
@@ -182,10 +323,12 @@ class RunConfig(Section):
     pretrain: PretrainConfig = PretrainConfig()
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
+    lora: LoraConfig = LoraConfig()
     buffer: BufferConfig = BufferConfig()
     searchers: SearchersConfig = SearchersConfig()
     ray: RayConfig = RayConfig()
     eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _check_runtime(self) -> RunConfig:

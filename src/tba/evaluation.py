@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.policy.sampling import generate
+from tba.policy.tokenizer import encode_prompts
 from tba.tasks import RewardFn
 
 
@@ -24,13 +25,15 @@ def _correct(
     greedy: bool,
     batch_size: int,
     generator: torch.Generator | None = None,
+    chat_template: bool = False,
 ) -> list[bool]:
     results: list[bool] = []
     for first in range(0, len(rows), batch_size):
         batch = rows[first : first + batch_size]
+        texts = [row["prompt"] for row in batch]
         out = generate(
             model,
-            [tokenizer(row["prompt"])["input_ids"] for row in batch],
+            encode_prompts(tokenizer, texts, chat_template=chat_template),
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
             max_new_tokens=max_new_tokens,
@@ -53,10 +56,11 @@ def greedy_pass_at_1(
     *,
     max_new_tokens: int,
     batch_size: int = 256,
+    chat_template: bool = False,
 ) -> float:
     correct = _correct(
         model, tokenizer, rows, correct_fn, max_new_tokens=max_new_tokens, temperature=1.0,
-        greedy=True, batch_size=batch_size,
+        greedy=True, batch_size=batch_size, chat_template=chat_template,
     )  # fmt: skip
     return sum(correct) / len(correct)
 
@@ -72,6 +76,7 @@ def sampled_pass_at_k(
     temperature: float,
     seed: int = 0,
     batch_size: int = 512,
+    chat_template: bool = False,
 ) -> dict[str, float]:
     """pass@k and the mean accuracy of single samples (pass@1 sampled), from k samples each."""
     repeated = [row for row in rows for _ in range(k)]
@@ -79,6 +84,7 @@ def sampled_pass_at_k(
     correct = _correct(
         model, tokenizer, repeated, correct_fn, max_new_tokens=max_new_tokens,
         temperature=temperature, greedy=False, batch_size=batch_size, generator=generator,
+        chat_template=chat_template,
     )  # fmt: skip
     per_problem = [any(correct[i * k : (i + 1) * k]) for i in range(len(rows))]
     return {

@@ -10,6 +10,8 @@ import warnings
 def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=UserWarning)
+    # peft asks transformers a question transformers 5 has renamed; nothing for users to do.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

@@ -11,7 +11,9 @@ Data flows one way: prompts -> searchers -> buffer -> trainer -> weights -> sear
   buffer (with the default `recent_prob=1` and `sync_every=1`: exactly the samples just made).
 
 The trainer runs in this process; the searchers run as Ray actors (`searchers.count >= 1`) or, in
-the synchronous mode with `searchers.count=0`, inside this process without Ray.
+the synchronous mode with `searchers.count=0`, inside this process without Ray. The loop writes
+checkpoints (`tba.checkpoint`) as it goes and at exit; `train(..., resume=True)` continues the run
+in `output_dir` from its newest one.
 """
 
 from __future__ import annotations
@@ -32,14 +34,23 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from transformers import AutoTokenizer
 
 from tba.base_policy import resolve_policy
 from tba.buffer import ReplayBuffer
+from tba.checkpoint import (
+    Checkpoint,
+    check_compatible,
+    latest_checkpoint,
+    restore_rng_states,
+    rng_states,
+    save_checkpoint,
+)
 from tba.config import RunConfig, dump_config
+from tba.errors import CheckpointError, TrainingError
 from tba.evaluation import greedy_pass_at_1, sampled_pass_at_k
 from tba.objectives import BetaSchedule
-from tba.policy.model import load_model, resolve_device
+from tba.policy.model import load_policy, resolve_device, save_policy, snapshot_weights
+from tba.policy.tokenizer import load_tokenizer
 from tba.rundir import (
     EventLog,
     MetricsLog,
@@ -47,10 +58,11 @@ from tba.rundir import (
     plot_curves,
     read_metrics,
     save_snapshot,
+    truncate_metrics,
 )
 from tba.runtime.feed import DataFeed
 from tba.runtime.searchers import open_searchers
-from tba.tasks import Task, build_task
+from tba.tasks import Task, load_task
 from tba.trainer import Trainer
 
 
@@ -64,7 +76,8 @@ def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -
     result = {
         "eval_pass@1": greedy_pass_at_1(
             model, tokenizer, task.eval_rows, task.correct_fn,
-            max_new_tokens=config.policy.max_new_tokens,
+            max_new_tokens=config.policy.max_new_tokens, batch_size=config.eval.batch_size,
+            chat_template=config.policy.chat_template,
         )
     }  # fmt: skip
     if pass_k:
@@ -72,6 +85,7 @@ def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -
             model, tokenizer, task.eval_rows[: config.task.num_eval_pass_k], task.correct_fn,
             k=config.eval.pass_k, max_new_tokens=config.policy.max_new_tokens,
             temperature=config.policy.temperature, seed=config.seed,
+            batch_size=2 * config.eval.batch_size, chat_template=config.policy.chat_template,
         )  # fmt: skip
     return result
 
@@ -90,7 +104,10 @@ def trainer_threads(config: RunConfig) -> int | None:
 
 def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Trainer:
     return Trainer(
-        load_model(str(policy_dir), device),
+        load_policy(
+            str(policy_dir), device, dtype=config.policy.dtype, lora=config.lora,
+            gradient_checkpointing=config.train.gradient_checkpointing,
+        ),  # fmt: skip
         pad_id=tokenizer.pad_token_id,
         temperature=config.policy.temperature,
         learning_rate=config.train.learning_rate,
@@ -98,6 +115,7 @@ def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Tra
         max_grad_norm=config.train.max_grad_norm,
         loss=config.train.loss,
         clip_eps=config.train.clip_eps,
+        micro_batch_groups=config.train.micro_batch_groups,
     )
 
 
@@ -121,150 +139,319 @@ def stop_on_interrupt() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def train(config: RunConfig, console: Console | None = None) -> Path:
+def train(
+    config: RunConfig, console: Console | None = None, *, resume: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Train as `config` says, in `config.output_dir`; `resume`: continue the run there from its
+    newest checkpoint; `overwrite`: replace a run already there."""
     console = console or Console(stderr=True)
     threads = trainer_threads(config)
     if threads:
         torch.set_num_threads(threads)
+    # The data first: a bad file or row stops the run before any model is loaded.
+    task = load_task(config.task, seed=config.seed, policy_model=config.policy.model)
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
-    run_dir = create_run_dir(config.output_dir)
+    checkpoint = None
+    if resume:
+        run_dir = Path(config.output_dir)
+        checkpoint = latest_checkpoint(run_dir)
+        check_compatible(checkpoint.state["config"], config.model_dump(), checkpoint.path)
+        truncate_metrics(run_dir / "metrics.jsonl", checkpoint.step)
+    else:
+        run_dir = create_run_dir(config.output_dir, overwrite)
     (run_dir / "config.yaml").write_text(dump_config(config))
     seed_everything(config.seed)
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    task = build_task(
-        config.task.name, num_train=config.task.num_train, num_eval=config.task.num_eval,
-        seed=config.seed,
-    )  # fmt: skip
+    tokenizer = load_tokenizer(str(policy_dir), chat_template=config.policy.chat_template)
     trainer = build_trainer(config, policy_dir, tokenizer, resolve_device(config.policy.device))
+    if checkpoint is not None:
+        restore_trainer(trainer, checkpoint)
     events = EventLog(run_dir / "events.jsonl", console.log)
     console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
+    restored = checkpoint.state["searchers"] if checkpoint else None
     try:
         # Searcher processes start while the base policy is evaluated here.
-        with open_searchers(config, policy_dir, tokenizer, task, events) as searchers:
-            base = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+        with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
+                            restored) as searchers:  # fmt: skip
+            if checkpoint is None:
+                base = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+            else:
+                base = checkpoint.state["base"]
+                events("resumed", step=checkpoint.step, checkpoint=checkpoint.path.name,
+                       discarded_in_flight=searchers.discarded_in_flight)  # fmt: skip
             console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
             with stop_on_interrupt() as stop:
-                loop = _train_loop(config, trainer, searchers, tokenizer, task, run_dir, console,
-                                   events, base, stop)  # fmt: skip
+                loop = TrainLoop(config, trainer, searchers, tokenizer, task, run_dir, events,
+                                 base, checkpoint)  # fmt: skip
+                loop.run(console, stop)
         final = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
     finally:
         events.close()
+    summary = {"base": base, "final": final, **loop.summary(searchers)}
     with MetricsLog(run_dir / "metrics.jsonl") as metrics:
-        metrics.write({"step": trainer.step_count, "time": loop["train_minutes"] * 60, **final})
-    summary = {"base": base, "final": final, **loop}
+        metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60, **final})
     save_results(run_dir, summary, trainer.model, tokenizer)
     console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     return run_dir
 
 
-def _train_loop(
-    config: RunConfig,
-    trainer: Trainer,
-    searchers,
-    tokenizer,
-    task: Task,
-    run_dir: Path,
-    console: Console,
-    events: EventLog,
-    base: dict[str, float],
-    stop: threading.Event,
-) -> dict:
-    """Steps until `max_steps`, `max_minutes` or Ctrl-C; returns the run summary."""
-    tc = config.train
-    buffer = ReplayBuffer(config.buffer.capacity, config.buffer.per_prompt_capacity)
-    feed = DataFeed(config, searchers, trainer, buffer)
-    rng = np.random.default_rng(config.seed)
-    beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
-    max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
-    snapshot_every = config.eval.snapshot_minutes * 60 if config.eval.snapshot_minutes else None
-    staleness_hist: Counter[int] = Counter()
-    waiting = Counter()  # seconds after warm-up: waited for data, synced, evaluated, in total
-    last_eval = base
-    progress = Progress(
-        TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed:.0f}"),
-        TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
-        transient=False,
-    )  # fmt: skip
-    with MetricsLog(run_dir / "metrics.jsonl") as metrics, progress:
-        metrics.write({"step": 0, "time": 0.0, **base})
-        bar = progress.add_task("train", total=tc.max_steps, status="filling the buffer")
-        start = time.time()
-        warmup_seconds = feed.start(stop)
-        next_snapshot = snapshot_every
-        for step in range(1, tc.max_steps + 1):
-            elapsed = time.time() - start
-            if elapsed >= max_seconds or stop.is_set():
-                break
-            step_start = time.time()
-            record: dict = {"step": step, **feed.before_step(step, stop)}
-            if len(buffer) == 0:  # interrupted while waiting for data
-                break
-            groups = buffer.sample(
-                tc.num_prompts, tc.group_size, rng, recent_prob=config.buffer.recent_prob,
-                reward_weight=config.buffer.reward_weight,
-                reward_temperature=config.buffer.reward_temperature,
+def restore_trainer(trainer: Trainer, checkpoint: Checkpoint) -> None:
+    try:
+        trainer.load_state_dict(
+            checkpoint.model, checkpoint.optimizer, checkpoint.state["trainer"]
+        )
+    except (RuntimeError, KeyError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} does not fit this policy: {first}"
+        ) from None
+
+
+class TrainLoop:
+    """Steps until `max_steps`, `max_minutes` or Ctrl-C, checkpointing on the way.
+
+    Everything it carries from step to step is in `state()`, so that a run resumed from a
+    checkpoint continues with the same buffer, sampler, counters and clock."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        trainer: Trainer,
+        searchers,
+        tokenizer,
+        task: Task,
+        run_dir: Path,
+        events: EventLog,
+        base: dict[str, float],
+        checkpoint: Checkpoint | None,
+    ) -> None:
+        self.config, self.trainer, self.searchers = config, trainer, searchers
+        self.tokenizer, self.task, self.run_dir, self.events = tokenizer, task, run_dir, events
+        self.base = base
+        tc = config.train
+        self.buffer = checkpoint.buffer if checkpoint else ReplayBuffer(
+            config.buffer.capacity, config.buffer.per_prompt_capacity
+        )
+        self.feed = DataFeed(config, searchers, trainer, self.buffer, events)
+        self.rng = np.random.default_rng(config.seed)
+        self.beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
+        self.max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
+        minutes = config.eval.snapshot_minutes
+        self.snapshot_every = minutes * 60 if minutes else None
+        self.next_snapshot = self.snapshot_every
+        minutes = config.checkpoint.every_minutes
+        self.checkpoint_every = minutes * 60 if minutes else None
+        self.next_checkpoint = self.checkpoint_every
+        self.staleness: Counter[int] = Counter()
+        self.waiting: Counter[str] = Counter()  # after warm-up: waited, synced, evaluated, total
+        self.last_eval = base
+        self.elapsed = 0.0  # training seconds of the earlier processes of this run
+        self.warmup_seconds = 0.0
+        self.nonfinite_in_a_row = 0
+        self.checkpoint_failures = 0
+        self.train_seconds = 0.0
+        self.stopped_by_user = False
+        if checkpoint is not None:
+            self._restore(checkpoint.state)
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def run(self, console: Console, stop: threading.Event) -> None:
+        tc = self.config.train
+        progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+            TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
+            transient=False,
+        )  # fmt: skip
+        first_step = self.trainer.step_count + 1
+        with MetricsLog(self.run_dir / "metrics.jsonl") as metrics, progress:
+            if first_step == 1:
+                metrics.write({"step": 0, "time": 0.0, **self.base})
+            bar = progress.add_task("train", total=tc.max_steps, completed=first_step - 1,
+                                    status="filling the buffer")  # fmt: skip
+            self.start = time.time() - self.elapsed
+            self.warmup_seconds += self.feed.start(stop)
+            for step in range(first_step, tc.max_steps + 1):
+                if time.time() - self.start >= self.max_seconds or stop.is_set():
+                    break
+                record = self._step(step, stop)
+                if record is None:  # interrupted while waiting for data
+                    break
+                if self.next_snapshot is not None and record["time"] >= self.next_snapshot:
+                    record["snapshot"] = self._snapshot(step)
+                    self.next_snapshot += self.snapshot_every
+                metrics.write(record)
+                self._after_step(step, record)
+                progress.update(
+                    bar, completed=step,
+                    status=f"reward {record['reward_mean']:.2f}  "
+                    f"pass@1 {self.last_eval['eval_pass@1']:.3f}",
+                )  # fmt: skip
+            self.train_seconds = time.time() - self.start
+            if self.snapshot_every is not None:  # the policy as the run ends, too
+                snapshot = self._snapshot(self.trainer.step_count)
+                metrics.write({"step": self.trainer.step_count, "time": self.train_seconds,
+                               "snapshot": snapshot})  # fmt: skip
+        self.save_checkpoint(self.trainer.step_count)
+        self.stopped_by_user = stop.is_set()
+        if self.stopped_by_user:
+            self.events("interrupted", step=self.trainer.step_count)
+
+    def _step(self, step: int, stop: threading.Event) -> dict | None:
+        """Bring data in, sample a batch, take one optimizer step; the step's metrics."""
+        tc, trainer = self.config.train, self.trainer
+        step_start = time.time()
+        elapsed = step_start - self.start
+        record: dict = {"step": step, **self.feed.before_step(step, stop)}
+        if len(self.buffer) == 0:
+            return None
+        groups = self.buffer.sample(
+            tc.num_prompts, tc.group_size, self.rng, recent_prob=self.config.buffer.recent_prob,
+            reward_weight=self.config.buffer.reward_weight,
+            reward_temperature=self.config.buffer.reward_temperature,
+        )  # fmt: skip
+        lags = [trainer.version - s.version for g in groups for s in g]
+        self.staleness.update(lags)
+        beta = self.beta_at(max((step - 1) / tc.max_steps, elapsed / self.max_seconds))
+        record |= {
+            "beta": beta,
+            "reward_mean": float(np.mean([s.reward for g in groups for s in g])),
+            **trainer.step(groups, beta),
+            "buffer_size": len(self.buffer),
+            "staleness_mean": float(np.mean(lags)),
+            "staleness_max": max(lags),
+        }
+        self.waiting["wait"] += record["wait_seconds"]
+        self.waiting["sync"] += record["sync_seconds"]
+        if step % self.config.eval.every == 0:
+            eval_start = time.time()
+            self.last_eval = evaluate(trainer.model, self.tokenizer, self.task, self.config,
+                                      pass_k=False)  # fmt: skip
+            record |= self.last_eval
+            self.waiting["eval"] += time.time() - eval_start
+        now = time.time()
+        self.waiting["total"] += now - step_start
+        wait_frac = (self.waiting["wait"] + self.waiting["sync"]) / self.waiting["total"]
+        return record | {
+            "time": now - self.start, "step_seconds": now - step_start,
+            "trainer_wait_frac": wait_frac,
+        }  # fmt: skip
+
+    def _after_step(self, step: int, record: dict) -> None:
+        """Non-finite steps and periodic checkpoints."""
+        if record["skipped"]:
+            self.nonfinite_in_a_row += 1
+            self.events("nonfinite_step", step=step, loss=record["loss"],
+                        grad_norm=record["grad_norm"])  # fmt: skip
+            limit = self.config.train.max_nonfinite_steps
+            if self.nonfinite_in_a_row >= limit:
+                path = self.save_checkpoint(step)
+                kept = f"; the last good state is in {path}" if path else ""
+                raise TrainingError(
+                    f"the loss or the gradient was not finite on {limit} steps in a row "
+                    f"(train.max_nonfinite_steps){kept}"
+                )
+        else:
+            self.nonfinite_in_a_row = 0
+        every = self.config.checkpoint.every
+        due = self.next_checkpoint is not None and record["time"] >= self.next_checkpoint
+        if due or (every is not None and step % every == 0):
+            self.save_checkpoint(step)
+        if due:
+            self.next_checkpoint += self.checkpoint_every
+
+    def _snapshot(self, step: int) -> str:
+        return save_snapshot(self.run_dir, snapshot_weights(self.trainer.model), step)
+
+    # ---------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, step: int) -> Path | None:
+        """A checkpoint of this moment; a failed write (a full disk) is logged and counted, and
+        the run goes on with its earlier checkpoints intact."""
+        model, optimizer, trainer_state = self.trainer.state_dict()
+        state = {
+            "config": self.config.model_dump(),
+            "base": self.base,
+            "trainer": trainer_state,
+            "searchers": self.searchers.state(),
+            "feed": self.feed.state(),
+            "rng": rng_states(self.rng),
+            "loop": self.state(),
+        }
+        try:
+            path = save_checkpoint(
+                self.run_dir, step, model=model, optimizer=optimizer, buffer=self.buffer,
+                state=state, keep=self.config.checkpoint.keep,
             )  # fmt: skip
-            lags = [trainer.version - s.version for g in groups for s in g]
-            staleness_hist.update(lags)
-            beta = beta_at(max((step - 1) / tc.max_steps, elapsed / max_seconds))
-            record |= {
-                "beta": beta,
-                "reward_mean": float(np.mean([s.reward for g in groups for s in g])),
-                **trainer.step(groups, beta),
-                "buffer_size": len(buffer),
-                "staleness_mean": float(np.mean(lags)),
-                "staleness_max": max(lags),
-            }
-            waiting["wait"] += record["wait_seconds"]
-            waiting["sync"] += record["sync_seconds"]
-            if step % config.eval.every == 0:
-                eval_start = time.time()
-                last_eval = evaluate(trainer.model, tokenizer, task, config, pass_k=False)
-                record |= last_eval
-                waiting["eval"] += time.time() - eval_start
-            now = time.time()
-            waiting["total"] += now - step_start
-            record |= {
-                "time": now - start,
-                "step_seconds": now - step_start,
-                "trainer_wait_frac": (waiting["wait"] + waiting["sync"]) / waiting["total"],
-            }
-            if next_snapshot is not None and now - start >= next_snapshot:
-                record["snapshot"] = save_snapshot(run_dir, trainer.weights(), step)
-                next_snapshot += snapshot_every
-            metrics.write(record)
-            progress.update(
-                bar, completed=step,
-                status=f"reward {record['reward_mean']:.2f}  pass@1 {last_eval['eval_pass@1']:.3f}",
-            )  # fmt: skip
-        train_seconds = time.time() - start
-        if snapshot_every is not None:  # the policy as the run ends, too
-            snapshot = save_snapshot(run_dir, trainer.weights(), trainer.step_count)
-            metrics.write({"step": trainer.step_count, "time": train_seconds, "snapshot": snapshot})
-    if stop.is_set():
-        events("interrupted", step=trainer.step_count)
-    return {
-        "mode": tc.mode,
-        "steps": trainer.step_count,
-        "train_minutes": train_seconds / 60,
-        "interrupted": stop.is_set(),
-        "warmup_seconds": warmup_seconds,
-        # Of the trainer's time after warm-up (evaluation included): waiting for data and syncing.
-        "trainer_wait_frac": (waiting["wait"] + waiting["sync"]) / max(waiting["total"], 1e-9),
-        "trainer_sync_frac": waiting["sync"] / max(waiting["total"], 1e-9),
-        "eval_frac": waiting["eval"] / max(waiting["total"], 1e-9),
-        "staleness_histogram": {str(lag): n for lag, n in sorted(staleness_hist.items())},
-        "samples_merged": feed.merged,
-        "samples_per_s": feed.merged / max(train_seconds, 1e-9),
-        "evicted_stale": feed.stale_evicted,
-        "evicted_capacity": feed.capacity_evicted,
-        "searcher_restarts": getattr(searchers, "restarts", 0),
-    }
+        except OSError as error:
+            self.checkpoint_failures += 1
+            self.events("checkpoint_failed", step=step, error=str(error))
+            return None
+        self.events("checkpoint", step=step, path=str(path))
+        return path
+
+    def state(self) -> dict:
+        return {
+            "elapsed": time.time() - self.start,
+            "warmup_seconds": self.warmup_seconds,
+            "staleness": {str(lag): n for lag, n in self.staleness.items()},
+            "waiting": dict(self.waiting),
+            "last_eval": self.last_eval,
+            "next_snapshot": self.next_snapshot,
+            "next_checkpoint": self.next_checkpoint,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "checkpoint_failures": self.checkpoint_failures,
+        }
+
+    def _restore(self, state: dict) -> None:
+        loop = state["loop"]
+        self.elapsed, self.warmup_seconds = loop["elapsed"], loop["warmup_seconds"]
+        self.staleness = Counter({int(lag): n for lag, n in loop["staleness"].items()})
+        self.waiting = Counter(loop["waiting"])
+        self.last_eval, self.next_snapshot = loop["last_eval"], loop["next_snapshot"]
+        self.next_checkpoint = loop["next_checkpoint"]
+        self.nonfinite_in_a_row = loop["nonfinite_in_a_row"]
+        self.checkpoint_failures = loop["checkpoint_failures"]
+        self.feed.restore(state["feed"])
+        restore_rng_states(self.rng, state["rng"])
+
+    # -------------------------------------------------------------------------------- summary
+
+    def summary(self, searchers) -> dict:
+        """What eval.json reports about the run (the searchers closed: their leftovers counted)."""
+        total = max(self.waiting["total"], 1e-9)
+        counts = self.feed.counts
+        generated = searchers.total_generated()
+        return {
+            "mode": self.config.train.mode,
+            "steps": self.trainer.step_count,
+            "train_minutes": self.train_seconds / 60,
+            "interrupted": self.stopped_by_user,
+            "warmup_seconds": self.warmup_seconds,
+            # Of the trainer's time after warm-up (evaluation included): waiting and syncing.
+            "trainer_wait_frac": (self.waiting["wait"] + self.waiting["sync"]) / total,
+            "trainer_sync_frac": self.waiting["sync"] / total,
+            "eval_frac": self.waiting["eval"] / total,
+            "staleness_histogram": {str(k): n for k, n in sorted(self.staleness.items())},
+            "samples_generated": generated if generated is not None else counts["merged"],
+            "samples_merged": counts["merged"],
+            "samples_per_s": counts["merged"] / max(self.train_seconds, 1e-9),
+            "samples_discarded_in_flight": searchers.discarded_in_flight,
+            "samples_duplicated": counts["duplicates"],
+            "samples_lost": counts["lost"],
+            "evicted_stale": counts["stale_evicted"],
+            "evicted_capacity": counts["capacity_evicted"],
+            "reward_dropped": counts["reward_dropped"],
+            "reward_faults": dict(self.feed.reward_faults),
+            "nonfinite_steps_skipped": self.trainer.skipped_steps,
+            "checkpoint_failures": self.checkpoint_failures,
+            "searcher_restarts": searchers.restarts,
+        }
 
 
 def save_results(run_dir: Path, summary: dict, model, tokenizer) -> None:
     """eval.json, the trained policy in final/, and the curves plot."""
     (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
-    model.save_pretrained(run_dir / "final")
+    save_policy(model, run_dir / "final")
     tokenizer.save_pretrained(run_dir / "final")
     plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", "tba train")

@@ -2,16 +2,25 @@
 
 <run_dir>/config.yaml      the resolved configuration
 <run_dir>/metrics.jsonl    one JSON object per optimizer step (eval fields when evaluated)
-<run_dir>/events.jsonl     searchers started, died and restarted; interruptions
+<run_dir>/events.jsonl     searchers started, died and restarted; reward faults; skipped
+                           steps; checkpoints written or failed; interruptions and resumes
+<run_dir>/checkpoints/     everything `tba train --resume` needs (see tba.checkpoint)
+<run_dir>/searchers/       per searcher process: samples made and prompt-stream position
 <run_dir>/eval.json        base and final evaluation, waiting fraction, staleness histogram
-<run_dir>/snapshots/       policy weights every `eval.snapshot_minutes`, if asked
+<run_dir>/snapshots/       policy weights every `eval.snapshot_minutes`, if asked (fp32, keys
+                           of the base model; with LoRA the adapters merged in)
 <run_dir>/curves.png       held-out pass@1 and mean reward against wall-clock minutes
-<run_dir>/final/           the trained policy, loadable with `from_pretrained`
+<run_dir>/final/           the trained policy and its tokenizer, loadable with `from_pretrained`;
+                           with LoRA: the adapters merged into the base weights (merged tensors
+                           in fp32), and the adapters alone in final/adapter/
+                           (`peft.PeftModel.from_pretrained(base_model, "final/adapter")`)
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,14 +29,29 @@ import numpy as np
 from safetensors.numpy import save_file
 
 
-def create_run_dir(output_dir: str | None) -> Path:
+def create_run_dir(output_dir: str | None, overwrite: bool = False) -> Path:
+    """A new run directory; one that already holds a run is refused unless `overwrite`."""
     path = Path(output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    if (path / "metrics.jsonl").exists():
-        raise FileExistsError(
-            f"run directory {path} already holds a run; choose another output_dir"
-        )
+    if (path / "config.yaml").exists() or (path / "metrics.jsonl").exists():
+        if not overwrite:
+            raise FileExistsError(
+                f"run directory {path} already holds a run; continue it with `tba train --resume "
+                f"{path}`, replace it with --overwrite, or choose another output_dir"
+            )
+        shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop the records of steps after `last_step`: a resumed run redoes them."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]  # fmt: skip
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(line + "\n" for line in kept))
+    os.replace(partial, path)
 
 
 class MetricsLog:
@@ -54,7 +78,7 @@ class MetricsLog:
 class EventLog:
     """Notable events, one JSON line each; all but routine ones also go to the console."""
 
-    ROUTINE = {"searcher_ready"}
+    ROUTINE = {"searcher_ready", "checkpoint"}
 
     def __init__(self, path: Path, log: Callable[[str], None]) -> None:
         self.metrics = MetricsLog(path)

@@ -8,6 +8,7 @@ returns `Sample`s tagged with the weight version that produced them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.buffer import Sample
 from tba.policy.logprobs import sequence_logprobs
-from tba.policy.model import frozen_copy, set_weights
+from tba.policy.model import frozen_copy, is_lora, set_weights
 from tba.policy.sampling import generate
+from tba.policy.tokenizer import encode_prompts
+from tba.rewards import RewardScorer
 from tba.tasks import RewardFn
 
 
@@ -30,20 +33,31 @@ class SearchSettings:
     max_new_tokens: int
     truncated: str  # "penalize" or "drop"
     truncation_penalty: float
+    chat_template: bool = False  # prompts wrapped in the tokenizer's chat template
+    reward_timeout_s: float = 60.0
+    max_reward_failures: int = 5
 
 
 class PromptStream:
-    """Endless shuffled passes over the training rows; each searcher has its own order."""
+    """Endless shuffled passes over the training rows; each searcher has its own order.
 
-    def __init__(self, num_rows: int, seed: int) -> None:
+    The stream is a function of its seed, so its position (`taken`, prompts handed out so far) is
+    all a checkpoint needs: `PromptStream(n, seed, taken)` continues where it stopped.
+    """
+
+    def __init__(self, num_rows: int, seed: int, taken: int = 0) -> None:
         self.num_rows = num_rows
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.order: list[int] = []
+        self.taken = 0
+        self.take(taken)
 
     def take(self, count: int) -> list[int]:
         while len(self.order) < count:
             self.order += self.rng.permutation(self.num_rows).tolist()
         taken, self.order = self.order[:count], self.order[count:]
+        self.taken += count
         return taken
 
 
@@ -58,18 +72,36 @@ class Searcher:
         *,
         searcher_id: int = 0,
         seed: int = 0,
+        incarnation: int = 0,
+        stream_seed: int | None = None,
+        stream_taken: int = 0,
     ) -> None:
+        """`seed` drives sampling; the prompt order comes from `stream_seed` (default: `seed`),
+        continued from position `stream_taken`. Samples are numbered per `incarnation` (a
+        restarted searcher process is a new one), so the trainer can tell a sample handed over
+        twice or never from the others."""
         self.policy = model
-        self.reference = frozen_copy(model)
+        # With LoRA the reference is the base model with the adapters switched off: one copy of
+        # the base weights in this process, not two.
+        self.reference = None if is_lora(model) else frozen_copy(model)
         self.policy.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.rows = rows
-        self.reward_fns = reward_fns
+        self.scorer = RewardScorer(
+            reward_fns, settings.reward_timeout_s, settings.max_reward_failures
+        )
         self.settings = settings
         self.searcher_id = searcher_id
+        self.incarnation = incarnation
+        self.num_generated = 0  # the next sample's sequence number
+        self.reward_faults: list[tuple[str, str, int]] = []
         self.version = 0
-        self.stream = PromptStream(len(rows), seed)
-        self.prompt_ids = [tokenizer(row["prompt"])["input_ids"] for row in rows]
+        self.stream = PromptStream(
+            len(rows), seed if stream_seed is None else stream_seed, stream_taken
+        )
+        self.prompt_ids = encode_prompts(
+            tokenizer, [row["prompt"] for row in rows], chat_template=settings.chat_template
+        )
         self.generator = torch.Generator(device=next(model.parameters()).device)
         self.generator.manual_seed(seed)
 
@@ -93,16 +125,10 @@ class Searcher:
             generator=self.generator,
         )
         completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        rewards, parts = self._score(row_ids, completions, out.truncated)
-        with torch.no_grad():
-            ref_logps = sequence_logprobs(
-                self.reference,
-                prompts,
-                out.response_ids,
-                pad_id=self.tokenizer.pad_token_id,
-                temperature=s.temperature,
-            ).tolist()
+        rewards, parts, reward_dropped = self._score(row_ids, completions, out.truncated)
+        ref_logps = self._reference_logps(prompts, out.response_ids)
         now = time.time()
+        kept = [i for i in range(len(row_ids)) if math.isfinite(rewards[i])]
         samples = [
             Sample(
                 prompt_id=row_ids[i],
@@ -117,10 +143,12 @@ class Searcher:
                 created_at=now,
                 truncated=out.truncated[i],
                 reward_parts={name: values[i] for name, values in parts.items()},
+                incarnation=self.incarnation,
+                seq=self.num_generated + n,
             )
-            for i in range(len(row_ids))
-            if math.isfinite(rewards[i])
+            for n, i in enumerate(kept)
         ]
+        self.num_generated += len(samples)
         tokens = sum(len(r) for r in out.response_ids)
         elapsed = time.time() - start
         stats = {
@@ -130,22 +158,46 @@ class Searcher:
             "gen_tokens_per_s": tokens / elapsed,
             "truncated_frac": sum(out.truncated) / len(out.truncated),
             "dropped": len(row_ids) - len(samples),
+            "reward_dropped": reward_dropped,
             "response_length": tokens / len(out.response_ids),
         }
         return samples, stats
 
+    def take_reward_faults(self) -> list[tuple[str, str, int]]:
+        """(function, reason, completions dropped) of every faulty reward call since the last
+        call of this method."""
+        faults, self.reward_faults = self.reward_faults, []
+        return faults
+
+    @torch.no_grad()
+    def _reference_logps(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        """log pi_ref of each response: the frozen copy, or the base model under the adapters."""
+        if self.reference is not None:
+            reference, adapters_off = self.reference, contextlib.nullcontext()
+        else:
+            reference, adapters_off = self.policy, self.policy.disable_adapter()
+        with adapters_off:
+            return sequence_logprobs(
+                reference, prompts, responses, pad_id=self.tokenizer.pad_token_id,
+                temperature=self.settings.temperature,
+            ).tolist()  # fmt: skip
+
     def _score(
         self, row_ids: list[int], completions: list[str], truncated: list[bool]
-    ) -> tuple[list[float], dict[str, list[float]]]:
-        """Sum of the reward functions; truncated responses penalised or dropped (NaN)."""
+    ) -> tuple[list[float], dict[str, list[float]], int]:
+        """Sum of the reward functions (NaN: drop), the values per function, and how many
+        completions a reward fault dropped. Truncated responses are penalised or dropped."""
         prompts = [self.rows[i]["prompt"] for i in row_ids]
         columns = {
             key: [self.rows[i][key] for i in row_ids] for key in self.rows[0] if key != "prompt"
         }
-        parts = {fn.__name__: fn(prompts, completions, **columns) for fn in self.reward_fns}
-        totals = [float(sum(values)) for values in zip(*parts.values())]
+        totals, parts, faults = self.scorer.score(prompts, completions, columns)
+        self.reward_faults += faults
         s = self.settings
+        reward_dropped = 0
         for i, cut in enumerate(truncated):
             if cut:
                 totals[i] = s.truncation_penalty if s.truncated == "penalize" else math.nan
-        return totals, parts
+            elif math.isnan(totals[i]):
+                reward_dropped += 1
+        return totals, parts, reward_dropped

@@ -4,10 +4,14 @@ The reference log-probs come with the samples; the trainer only runs the policy.
 whole inside a micro-batch, because each group's log Z_hat (or baseline) is estimated from all its
 members. `loss` picks the objective: `tb` (VarGrad Trajectory Balance) or one of the baselines of
 `tba.objectives.baselines`, which share everything else.
+
+The optimizer updates only trainable weights (with LoRA: the adapters), and bf16 weights through
+fp32 master copies (`tba.precision`); the loss is computed in fp32.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -25,6 +29,7 @@ from tba.objectives import (
 )
 from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import get_weights
+from tba.precision import MasterWeights
 
 LOSSES = ("tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo")
 CLIPPED = {"dr_grpo": dr_grpo_loss, "grpo": grpo_loss, "proximal_rloo": proximal_rloo_loss}
@@ -54,7 +59,9 @@ class Trainer:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.micro_batch_groups = micro_batch_groups
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+        # Only the trainable weights (with LoRA: the adapters); bf16 ones through fp32 masters.
+        self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad])
+        self.optimizer = torch.optim.Adam(self.masters.params, lr=learning_rate)
         # Adam's first updates move every weight by about the full learning rate whatever the
         # gradient's signal-to-noise; a linear warmup makes those first moves smaller.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -62,6 +69,7 @@ class Trainer:
         )
         self.version = 0  # weight version: bumped at every publish
         self.step_count = 0
+        self.skipped_steps = 0  # non-finite loss or gradient: no update
 
     def weights(self) -> dict[str, np.ndarray]:
         return get_weights(self.model)
@@ -76,26 +84,77 @@ class Trainer:
         total = sum(len(g) for g in groups)
         chunk = self.micro_batch_groups or len(groups)
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for first in range(0, len(groups), chunk):
             flat = [s for group in groups[first : first + chunk] for s in group]
             loss, stats = self._loss(flat, beta)
             # Weighted so that the accumulated gradient is that of the mean over the whole batch.
             (loss * len(flat) / total).backward()
+            self.masters.grads_to_masters()
             for key, value in {"loss": loss.item(), **stats}.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * len(flat)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.schedule.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.params, self.max_grad_norm)
+        # One inf or NaN would poison Adam's moments for good: skip the update instead.
+        finite = math.isfinite(sums["loss"]) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.masters.masters_to_model()
+            self.schedule.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
         self.step_count += 1
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g)
         elapsed = time.time() - start
         return {
             **{key: value / total for key, value in sums.items()},
             "grad_norm": float(grad_norm),
+            "skipped": float(not finite),
             "train_seconds": elapsed,
             "train_tokens_per_s": tokens / elapsed,
         }
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+        """(model tensors, optimizer tensors, everything else as JSON-able values)."""
+        optimizer = self.optimizer.state_dict()
+        tensors, scalars = {}, {}
+        for index, state in optimizer["state"].items():
+            for name, value in state.items():
+                target = tensors if torch.is_tensor(value) else scalars
+                target[f"{index}.{name}"] = value
+        masters = zip(self.masters.params, self.masters.model_params)
+        for index, (master, param) in enumerate(masters):
+            if master is not param:  # fp32 masters of bf16 weights: rounding would lose them
+                tensors[f"master.{index}"] = master.detach()
+        meta = {
+            "param_groups": optimizer["param_groups"],
+            "optimizer_scalars": scalars,
+            "schedule": self.schedule.state_dict(),  # its lambda is code: saved as null
+            "version": self.version,
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+        }
+        return dict(self.model.state_dict()), tensors, meta
+
+    def load_state_dict(
+        self, model: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor], meta: dict
+    ) -> None:
+        self.model.load_state_dict(model)
+        state: dict[int, dict] = {}
+        for key, value in [*optimizer.items(), *meta["optimizer_scalars"].items()]:
+            index, name = key.split(".", 1)
+            if index == "master":
+                self.masters.params[int(name)].data.copy_(value)
+            else:
+                state.setdefault(int(index), {})[name] = value
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self.schedule.load_state_dict(meta["schedule"])
+        self.version = meta["version"]
+        self.step_count = meta["step_count"]
+        self.skipped_steps = meta["skipped_steps"]
 
     def _loss(self, flat: list[Sample], beta: float) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective on one micro-batch, and its metrics (means over its samples)."""

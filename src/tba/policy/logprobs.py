@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tba.policy.batching import left_pad, right_pad, unique_prompts
+from tba.policy.model import is_checkpointing
 
 
 def sequence_logprobs(
@@ -47,16 +48,48 @@ def token_logprobs(
     device = next(model.parameters()).device
     distinct, rows = unique_prompts(prompts)
     prompt_ids, prompt_mask, prompt_positions = left_pad(distinct, pad_id, device)
+    index = torch.tensor(rows, device=device)
+    response_ids, response_mask = right_pad(responses, pad_id, device)
+    if model.training and is_checkpointing(model):
+        # Checkpointed layers run without a KV cache (transformers drops it), so each response
+        # runs with its own copy of its prompt.
+        ids = torch.cat([prompt_ids[index], response_ids], dim=1)
+        mask = torch.cat([prompt_mask[index], response_mask], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        # The logits at the last prompt column predict the first response token, and so on.
+        start = prompt_ids.size(1) - 1
+        logits = out.logits[:, start : start + response_ids.size(1)]
+    else:
+        logits = _response_logits_sharing_prompts(
+            model, prompt_ids, prompt_mask, prompt_positions, index, response_ids, response_mask
+        )
+    # fp32 at least (bf16 logits would round the log-probs), fp64 kept for exact tests.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    token_logps = log_probs.gather(-1, response_ids[..., None]).squeeze(-1)
+    mask = response_mask.to(token_logps.dtype)
+    return token_logps * mask, mask
+
+
+def _response_logits_sharing_prompts(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    prompt_positions: torch.Tensor,
+    index: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Logits predicting each response token (N, T, V): every distinct prompt runs once and its
+    KV cache is copied to each of its responses (`index`: the prompt of each response)."""
     prompt_out = model(
         input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
         use_cache=True,
     )  # fmt: skip
-    index = torch.tensor(rows, device=device)
     cache = prompt_out.past_key_values
     cache.batch_select_indices(index)  # each response gets its prompt's keys and values
-
-    response_ids, response_mask = right_pad(responses, pad_id, device)
-    offsets = torch.arange(response_ids.size(1), device=device)
+    offsets = torch.arange(response_ids.size(1), device=response_ids.device)
     response_out = model(
         input_ids=response_ids,
         attention_mask=torch.cat([prompt_mask[index], response_mask], dim=1),
@@ -65,8 +98,4 @@ def token_logprobs(
         use_cache=True,
     )
     # The prompt's last logits predict the first response token; each response position the next.
-    logits = torch.cat([prompt_out.logits[index, -1:], response_out.logits[:, :-1]], dim=1)
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    token_logps = log_probs.gather(-1, response_ids[..., None]).squeeze(-1)
-    mask = response_mask.to(token_logps.dtype)
-    return token_logps * mask, mask
+    return torch.cat([prompt_out.logits[index, -1:], response_out.logits[:, :-1]], dim=1)

@@ -1,14 +1,27 @@
-"""Building, loading and moving policy weights.
+"""Building, loading, saving and moving policy weights.
 
 The built-in policy is an ordinary Hugging Face `LlamaForCausalLM`, only tiny, so that every
 code path it takes (forward, KV cache, `save_pretrained`, `from_pretrained`) is a real model's.
+
+Weights cross process boundaries as numpy arrays (`get_weights` / `set_weights`). numpy has no
+bfloat16, so a bf16 tensor travels as the int16 view of its bits and is viewed back as bf16 on
+arrival: lossless, and no bigger. With LoRA the trainer and the searchers each wrap their one
+copy of the base weights with the same adapters, and only the adapter tensors travel.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+if TYPE_CHECKING:
+    from tba.config import LoraConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -47,26 +60,169 @@ def build_tiny_llama(
     return LlamaForCausalLM(config)
 
 
-def load_model(path: str, device: torch.device) -> PreTrainedModel:
-    """Load a causal LM saved with `save_pretrained` (or any Hugging Face model id), in fp32."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def load_model(
+    path: str, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """Load a causal LM saved with `save_pretrained` (or any Hugging Face model id)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device)
+
+
+def load_policy(
+    path: str,
+    device: torch.device | str,
+    *,
+    dtype: str = "float32",
+    lora: LoraConfig | None = None,
+    gradient_checkpointing: bool = False,
+) -> PreTrainedModel:
+    """The policy as trainer and searchers hold it: in `dtype`, with adapters when `lora.r > 0`
+    (fresh adapters leave the model's outputs unchanged: their B matrix starts at zero)."""
+    model = load_model(path, device, DTYPES[dtype])
+    disable_dropout(model)
+    if gradient_checkpointing:
+        enable_checkpointing(model)
+    if lora is not None and lora.r > 0:
+        model = add_lora(model, lora)
+    return model
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer's activations in the backward pass instead of keeping them."""
+    # Non-reentrant checkpointing also works when only adapters need gradients.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name in transformers
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether any layer recomputes its activations (the test transformers itself uses)."""
+    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """No dropout in the policy (GPT-2 has 0.1 in three places). The trainer runs in training
+    mode, and its log-probs are compared with those the searchers computed without dropout: the
+    noise would bias TB's residuals and every importance ratio."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # attention implementations read it as a float
+
+
+def add_lora(model: PreTrainedModel, lora: LoraConfig) -> PreTrainedModel:
+    """Wrap `model` with trainable low-rank adapters; its own weights are frozen, not copied."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    # Adapters stay in fp32 even on a bf16 base (peft's default): they are what is trained.
+    return peft.get_peft_model(model, config)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
 
 
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
     """An independent copy in eval mode with gradients off (the reference policy)."""
-    copy = type(model)(model.config).to(next(model.parameters()).device)
+    first = next(model.parameters())
+    copy = type(model)(model.config).to(device=first.device, dtype=first.dtype)
     copy.load_state_dict(model.state_dict())
     copy.eval().requires_grad_(False)
     return copy
 
 
 def get_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """A snapshot of the weights as numpy arrays (the format that crosses process boundaries
-    without copies); copied, so that later training steps do not change a published version."""
-    return {name: t.detach().cpu().numpy().copy() for name, t in model.state_dict().items()}
+    """What a searcher needs to become this policy, as numpy arrays (the format that crosses
+    process boundaries without copies): every weight, or with LoRA only the adapters. Copied, so
+    that later training steps do not change a published version."""
+    return {name: _to_numpy(tensor) for name, tensor in _published_state(model).items()}
 
 
 def set_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
-    state = {name: torch.from_numpy(np.asarray(array)) for name, array in weights.items()}
-    model.load_state_dict(state)
+    """Adopt weights made by `get_weights` on a model of the same architecture and dtype."""
+    target = _published_state(model)
+    unknown = sorted(set(weights) - set(target))
+    if unknown:
+        raise KeyError(f"weights that this model does not have: {', '.join(unknown[:5])}")
+    state = {name: _from_numpy(array, target[name].dtype) for name, array in weights.items()}
+    if not is_lora(model):
+        model.load_state_dict(state)
+        return
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(model, state)
+
+
+def _published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if not is_lora(model):
+        return model.state_dict()
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)  # numpy has no bfloat16: the same 16 bits, as int16
+    return tensor.numpy().copy()
+
+
+def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.from_numpy(np.asarray(array))
+    if dtype == torch.bfloat16 and tensor.dtype == torch.int16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor
+
+
+def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy as one plain model's state dict; with LoRA, the base weights with the adapters
+    merged in (W + alpha/r * B A, computed in fp32 and kept in fp32), without touching the model,
+    so that the keys and the shapes are those of the base model."""
+    if not is_lora(model):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    state = {
+        name.replace(".base_layer.", "."): tensor
+        for name, tensor in base.state_dict().items()
+        if ".lora_" not in name
+    }
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.active_adapters:
+                    key = f"{name}.weight"
+                    delta = module.get_delta_weight(adapter).float()
+                    state[key] = state[key].float() + delta
+    return state
+
+
+def snapshot_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The whole policy (adapters merged) as fp32 numpy arrays, to score after the run."""
+    return {
+        name: tensor.detach().float().cpu().numpy().copy()
+        for name, tensor in policy_state_dict(model).items()
+    }
+
+
+def save_policy(model: PreTrainedModel, path: Path) -> None:
+    """`path` loadable with `from_pretrained` (the adapters merged into the base weights, in
+    fp32); with LoRA also the adapters alone in `path/adapter` (`peft.PeftModel.from_pretrained`
+    on the base model)."""
+    if not is_lora(model):
+        model.save_pretrained(path)
+        return
+    model.get_base_model().save_pretrained(path, state_dict=policy_state_dict(model))
+    model.save_pretrained(path / "adapter")

@@ -1,7 +1,10 @@
-"""A character-level tokenizer for the built-in policy, made with the `tokenizers` library.
+"""Tokenizers: the character-level one of the built-in policy, and loading any model's.
 
-Wrapping it in `PreTrainedTokenizerFast` means the rest of the code treats it exactly like the
-tokenizer of any Hugging Face model (`save_pretrained`, `AutoTokenizer.from_pretrained`, padding).
+The built-in tokenizer is made with the `tokenizers` library; wrapping it in
+`PreTrainedTokenizerFast` means the rest of the code treats it exactly like the tokenizer of any
+Hugging Face model (`save_pretrained`, `AutoTokenizer.from_pretrained`, padding). Every tokenizer
+is loaded by `load_tokenizer` and every prompt encoded by `encode_prompts`, in the trainer's
+process and the searchers' alike.
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from tba.config import ConfigError
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARSET = string.ascii_letters + string.digits + " \n.,?!:;'$%#+-*/=()<>"
@@ -34,3 +39,43 @@ def build_char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
         unk_token=UNK,
         padding_side="left",
     )
+
+
+def load_tokenizer(path: str, *, chat_template: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a policy, ready for batched sampling.
+
+    A response ends at EOS, so a tokenizer without one is refused. One without a pad token (GPT-2,
+    Llama) pads with EOS: every mask is built from sequence lengths, never from `ids != pad`, so a
+    pad id equal to EOS is harmless. Padding goes on the left, where generation needs it.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"policy.model: the tokenizer in {path} has no EOS token, so responses could not end"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if chat_template and not tokenizer.chat_template:
+        raise ConfigError(
+            f"policy.chat_template=true, but the tokenizer in {path} has no chat template"
+        )
+    return tokenizer
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], *, chat_template: bool = False
+) -> list[list[int]]:
+    """Token ids of each prompt: the plain text (with the tokenizer's special tokens, e.g. BOS),
+    or, for instruct models, one user turn in the chat template followed by the opening of the
+    assistant's turn, which the response continues."""
+    if not chat_template:
+        return [tokenizer(text)["input_ids"] for text in texts]
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        for text in texts
+    ]
+    # The template writes its own special tokens (BOS included); adding them again would double.
+    return [tokenizer(chat, add_special_tokens=False)["input_ids"] for chat in chats]

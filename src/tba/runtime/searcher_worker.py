@@ -6,10 +6,16 @@ The actor is threaded: the generation loop runs in its own thread, so `collect` 
 on generation in flight. Weights are offered as an object-store reference and adopted between
 batches; new samples wait in an outbox until the trainer collects them. A full outbox pauses the
 loop, so memory stays bounded however slow the trainer is.
+
+With a `ledger_path`, the worker records after every batch how many samples it has made and how
+far it is in its prompt stream, before the batch can be collected. The file outlives the process,
+so when a searcher (or the whole run) is killed, the trainer can count exactly the samples that
+were made but never handed over: work lost in flight, as opposed to data lost.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -17,10 +23,11 @@ import traceback
 from collections import Counter
 
 import torch
-from transformers import AutoTokenizer
 
 from tba.buffer import Sample
-from tba.policy.model import load_model, resolve_device
+from tba.config import LoraConfig
+from tba.policy.model import load_policy, resolve_device
+from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.searcher import Searcher, SearchSettings
 from tba.tasks import RewardFn
@@ -39,16 +46,28 @@ class SearcherWorker:
         device: str,
         num_threads: int,
         weights_timeout_s: float,
+        incarnation: int = 0,
+        stream_seed: int | None = None,
+        stream_taken: int = 0,
+        ledger_path: str | None = None,
+        dtype: str = "float32",
+        lora: LoraConfig | None = None,
     ) -> None:
         # Ray sets OMP_NUM_THREADS=1 in workers; the thread count is ours to choose.
         torch.set_num_threads(num_threads)
         quiet_libraries()
-        tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-        model = load_model(policy_dir, resolve_device(device))
+        tokenizer = load_tokenizer(policy_dir, chat_template=settings.chat_template)
+        model = load_policy(policy_dir, resolve_device(device), dtype=dtype, lora=lora)
         self.searcher = Searcher(
-            model, tokenizer, rows, reward_fns, settings, searcher_id=searcher_id, seed=seed
-        )
+            model, tokenizer, rows, reward_fns, settings, searcher_id=searcher_id, seed=seed,
+            incarnation=incarnation, stream_seed=stream_seed, stream_taken=stream_taken,
+        )  # fmt: skip
         self.weights_timeout_s = weights_timeout_s
+        self.ledger_path = ledger_path
+        # The stream position after the last batch put in the outbox: where a replacement
+        # continues, so prompts in flight at a kill are generated again, not skipped.
+        self._stream_taken = stream_taken
+        self._faults: list[tuple[str, str, int]] = []
         self._lock = threading.Condition()
         self._outbox: list[Sample] = []
         self._offer: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
@@ -71,7 +90,13 @@ class SearcherWorker:
         self.offer_weights(version, refs)
         self._adopt_offered_weights()
         samples, stats = self.searcher.generate(num_prompts)
-        return samples, stats | {"version": self.searcher.version, "pid": os.getpid()}
+        self._write_ledger()
+        return samples, stats | {
+            "version": self.searcher.version,
+            "pid": os.getpid(),
+            "stream_taken": self.searcher.stream.taken,
+            "reward_faults": self.searcher.take_reward_faults(),
+        }
 
     def start(self, prompts_per_batch: int, max_unsent: int, version: int, refs: list) -> None:
         """Asynchronous mode: generate until stopped, starting with the given weights."""
@@ -87,6 +112,8 @@ class SearcherWorker:
         with self._lock:
             samples, self._outbox = self._outbox, []
             counters, self._counters = dict(self._counters), Counter()
+            faults, self._faults = self._faults, []
+            stream_taken = self._stream_taken
             self._lock.notify_all()
         if self._error is not None:
             raise RuntimeError(self._error)
@@ -94,6 +121,8 @@ class SearcherWorker:
             "samples": samples,
             "version": self.searcher.version,
             "pid": os.getpid(),
+            "stream_taken": stream_taken,
+            "reward_faults": faults,
             **counters,
         }
 
@@ -127,8 +156,12 @@ class SearcherWorker:
                     self._counters["idle_seconds"] += time.time() - start
                 self._adopt_offered_weights()
                 samples, stats = self.searcher.generate(prompts_per_batch)
+                self._write_ledger()
                 with self._lock:
                     self._outbox += samples
+                    self._stream_taken = self.searcher.stream.taken
+                    self._faults += self.searcher.take_reward_faults()
+                    self._counters["reward_dropped"] += stats["reward_dropped"]
                     self._counters["num_samples"] += len(samples)
                     self._counters["tokens"] += stats["gen_tokens"]
                     self._counters["gen_seconds"] += stats["gen_seconds"]
@@ -136,3 +169,13 @@ class SearcherWorker:
                     self._counters["truncated"] += stats["truncated_frac"] * stats["generated"]
         except BaseException as error:  # reported to the trainer by the next `collect`
             self._error = f"{type(error).__name__}: {error}\n\n{traceback.format_exc()}"
+
+    def _write_ledger(self) -> None:
+        if self.ledger_path is None:
+            return
+        searcher = self.searcher
+        record = {"generated": searcher.num_generated, "stream_taken": searcher.stream.taken}
+        partial = f"{self.ledger_path}.partial"
+        with open(partial, "w") as file:
+            json.dump(record, file)
+        os.replace(partial, self.ledger_path)  # a reader never sees half a record

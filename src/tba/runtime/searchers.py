@@ -13,10 +13,16 @@ Weights are put into the object store once per publish and every searcher fetche
 A searcher process that dies is replaced by a new one with the latest weights (up to
 `searchers.max_restarts` times each); one that does not answer within `ray.sync_timeout_s` fails
 the run with a clear error instead of hanging it.
+
+A replacement continues its predecessor's prompt stream from the last batch handed over, so the
+prompts in flight at a kill are generated again, not skipped. `state()` is what a checkpoint keeps
+of the searchers (their incarnations and stream positions); `restore` on a new instance continues
+from it. `take_reward_faults()` returns the reward-function faults reported since its last call.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from tba.buffer import Sample
 from tba.config import RunConfig
-from tba.policy.model import load_model, resolve_device
-from tba.runtime.errors import SearcherError
+from tba.errors import SearcherError
+from tba.policy.model import load_policy, resolve_device
 from tba.runtime.searcher_worker import SearcherWorker
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import PromptStream, Searcher, SearchSettings
 from tba.tasks import Task
 
 EventLog = Callable[..., None]  # log_event(kind, **fields)
@@ -45,6 +52,9 @@ def search_settings(config: RunConfig) -> SearchSettings:
         max_new_tokens=config.policy.max_new_tokens,
         truncated=tc.truncated,
         truncation_penalty=tc.truncation_penalty,
+        reward_timeout_s=config.searchers.reward_timeout_s,
+        max_reward_failures=config.searchers.max_reward_failures,
+        chat_template=config.policy.chat_template,
     )
 
 
@@ -56,6 +66,9 @@ def searcher_seed(seed: int, searcher_id: int, incarnation: int) -> int:
 class LocalSearchers:
     """One searcher in the trainer process: the synchronous mode without Ray."""
 
+    restarts = 0
+    discarded_in_flight = 0
+
     def __init__(self, searcher: Searcher) -> None:
         self.searcher = searcher
 
@@ -64,6 +77,28 @@ class LocalSearchers:
 
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
         return self.searcher.generate(num_prompts)
+
+    def take_reward_faults(self) -> list[tuple[str, str, int]]:
+        return self.searcher.take_reward_faults()
+
+    def total_generated(self) -> int:
+        return self.searcher.num_generated
+
+    def state(self) -> dict[str, Any]:
+        """Stream position and sampling RNG: with them a resumed run draws the same samples."""
+        searcher = self.searcher
+        return {
+            "stream_taken": searcher.stream.taken,
+            "num_generated": searcher.num_generated,
+            "generator": searcher.generator.get_state().tolist(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        searcher = self.searcher
+        searcher.stream = PromptStream(searcher.stream.num_rows, searcher.stream.seed,
+                                       state["stream_taken"])  # fmt: skip
+        searcher.num_generated = state["num_generated"]
+        searcher.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
 
     def close(self) -> None:
         """Nothing to release: the searcher lives and ends with this process."""
@@ -79,11 +114,19 @@ class _Slot:
     pending: tuple[Any, float] | None = None  # (ObjectRef of a collect call, time issued)
     ready_at: float = 0.0
     totals: dict[str, float] = field(default_factory=dict)
+    stream_taken: int = 0  # stream position after the last batch handed over
+    handed: int = 0  # samples this incarnation has handed over
 
 
 class RaySearchers:
     def __init__(
-        self, config: RunConfig, policy_dir: Path, task: Task, log_event: EventLog
+        self,
+        config: RunConfig,
+        policy_dir: Path,
+        task: Task,
+        log_event: EventLog,
+        ledger_dir: Path | None = None,
+        restored: dict[str, Any] | None = None,
     ) -> None:
         import ray
 
@@ -101,7 +144,54 @@ class RaySearchers:
         self._weights: tuple[int, Any] | None = None  # (version, ObjectRef)
         self._running = False
         self.restarts = 0
-        self.slots = [_Slot(self._spawn(i, 0)) for i in range(sc.count)]
+        self.discarded_in_flight = 0
+        self._reward_faults: list[tuple[str, str, int]] = []
+        self.ledger_dir = ledger_dir
+        if ledger_dir is not None:
+            ledger_dir.mkdir(parents=True, exist_ok=True)
+        if restored:  # counted before any new searcher writes its ledger
+            self.discarded_in_flight = restored["discarded_in_flight"] + self._rolled_back(restored)
+        self.slots = [self._new_slot(i, restored) for i in range(sc.count)]
+
+    def _rolled_back(self, restored: dict[str, Any]) -> int:
+        """Samples the killed run's searchers made after the checkpoint (handed over to a trainer
+        that died before its next checkpoint, or never handed over): work lost, not data."""
+        total = 0
+        for i, saved in enumerate(restored["slots"]):
+            incarnations = range(saved["incarnation"], self._last_ledger_incarnation(i) + 1)
+            made = sum(self.generated_by(i, inc) or 0 for inc in incarnations)
+            total += max(0, made - saved["handed"])
+        return total
+
+    def _new_slot(self, i: int, restored: dict[str, Any] | None) -> _Slot:
+        """Searcher i, fresh or continuing a checkpoint's stream with a new incarnation (the
+        processes of the run that wrote the checkpoint are gone)."""
+        saved = restored["slots"][i] if restored and i < len(restored["slots"]) else None
+        if saved is None:
+            return _Slot(self._spawn(i, 0, 0))
+        incarnation = max(saved["incarnation"], self._last_ledger_incarnation(i)) + 1
+        return _Slot(self._spawn(i, incarnation, saved["stream_taken"]), incarnation=incarnation,
+                     stream_taken=saved["stream_taken"])  # fmt: skip
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "slots": [
+                {"incarnation": s.incarnation, "stream_taken": s.stream_taken, "handed": s.handed}
+                for s in self.slots
+            ],
+            "discarded_in_flight": self.discarded_in_flight,
+        }
+
+    def total_generated(self) -> int | None:
+        """Samples made by every searcher process this run directory has seen (all restarts
+        and resumes), from their ledgers; None without ledgers."""
+        if self.ledger_dir is None:
+            return None
+        return sum(json.loads(p.read_text())["generated"] for p in self.ledger_dir.glob("*.json"))
+
+    def take_reward_faults(self) -> list[tuple[str, str, int]]:
+        faults, self._reward_faults = self._reward_faults, []
+        return faults
 
     # ------------------------------------------------------------------------------ weights
 
@@ -129,7 +219,7 @@ class RaySearchers:
                 del calls[i]
                 try:
                     results[i] = self._ray.get(ref)
-                    self._mark_ready(i, results[i][1]["pid"])
+                    self._handed_over(i, results[i][0], results[i][1])
                 except self._ray.exceptions.RayActorError as error:
                     self._replace(i, error)
                     calls[i] = self._generate_call(i, shares[i])
@@ -149,6 +239,7 @@ class RaySearchers:
             "truncated_frac": sum(st["truncated_frac"] * st["generated"] for st in stats)
             / generated,
             "dropped": sum(st["dropped"] for st in stats),
+            "reward_dropped": sum(st["reward_dropped"] for st in stats),
             "response_length": tokens / generated,
         }
 
@@ -180,6 +271,7 @@ class RaySearchers:
         if up:
             self._ray.wait(up, num_returns=len(up), timeout=self.timeout)
         samples: list[Sample] = []
+        reward_dropped = 0
         stats: dict[str, float] = {}
         for i, slot in enumerate(self.slots):
             ref, issued = slot.pending
@@ -194,16 +286,26 @@ class RaySearchers:
                 continue
             except self._ray.exceptions.RayTaskError as error:
                 raise SearcherError(f"searcher {i} failed: {error.cause}") from None
-            self._mark_ready(i, result["pid"])
+            self._handed_over(i, result["samples"], result)
+            reward_dropped += result.get("reward_dropped", 0)
             samples += result.pop("samples")
             stats |= self._searcher_stats(i, result, trainer_version)
         stats["searcher_restarts"] = self.restarts
+        stats["reward_dropped"] = reward_dropped
         return samples, stats
+
+    def _handed_over(self, i: int, samples: list[Sample], report: dict) -> None:
+        slot = self.slots[i]
+        self._mark_ready(i, report["pid"])
+        slot.handed += len(samples)
+        slot.stream_taken = report["stream_taken"]
+        self._reward_faults += report["reward_faults"]
 
     def _searcher_stats(self, i: int, result: dict, trainer_version: int) -> dict[str, float]:
         """Rates since this searcher process started, and its weight-version lag."""
         slot = self.slots[i]
-        for key in ("num_samples", "tokens", "gen_seconds", "idle_seconds", "truncated", "dropped"):
+        for key in ("num_samples", "tokens", "gen_seconds", "idle_seconds", "truncated", "dropped",
+                    "reward_dropped"):  # fmt: skip
             slot.totals[key] = slot.totals.get(key, 0.0) + result.get(key, 0.0)
         elapsed = max(time.time() - slot.ready_at, 1e-9)
         return {
@@ -215,14 +317,38 @@ class RaySearchers:
 
     # -------------------------------------------------------------------------- failures
 
-    def _spawn(self, i: int, incarnation: int) -> Any:
-        sc = self.config.searchers
+    def _spawn(self, i: int, incarnation: int, stream_taken: int) -> Any:
+        """Searcher i's process: its own sampling seed per incarnation, while the prompt stream
+        is the searcher's (seeded as incarnation 0) and continues at `stream_taken`."""
+        sc, seed = self.config.searchers, self.config.seed
         return self._actor.remote(
             self.policy_dir, self._rows, self.reward_fns, search_settings(self.config),
-            searcher_id=i, seed=searcher_seed(self.config.seed, i, incarnation),
+            searcher_id=i, seed=searcher_seed(seed, i, incarnation),
             device=sc.device, num_threads=sc.num_threads or max(1, round(sc.num_cpus)),
-            weights_timeout_s=self.timeout,
+            weights_timeout_s=self.timeout, incarnation=incarnation,
+            stream_seed=searcher_seed(seed, i, 0), stream_taken=stream_taken,
+            ledger_path=self._ledger_path(i, incarnation),
+            dtype=self.config.policy.dtype, lora=self.config.lora,
         )  # fmt: skip
+
+    def _ledger_path(self, i: int, incarnation: int) -> str | None:
+        if self.ledger_dir is None:
+            return None
+        return str(self.ledger_dir / f"searcher{i}-{incarnation}.json")
+
+    def _last_ledger_incarnation(self, i: int) -> int:
+        if self.ledger_dir is None:
+            return -1
+        names = self.ledger_dir.glob(f"searcher{i}-*.json")
+        return max((int(p.stem.rsplit("-", 1)[1]) for p in names), default=-1)
+
+    def generated_by(self, i: int, incarnation: int) -> int | None:
+        """Samples searcher i made in that incarnation, from its ledger (None without one)."""
+        path = self._ledger_path(i, incarnation)
+        try:
+            return json.loads(Path(path).read_text())["generated"] if path else None
+        except FileNotFoundError:
+            return 0  # died before finishing a batch
 
     def _mark_ready(self, i: int, pid: int) -> None:
         slot = self.slots[i]
@@ -241,11 +367,16 @@ class RaySearchers:
             )
         self._ray.kill(slot.handle)
         self.restarts += 1
+        generated = self.generated_by(i, slot.incarnation)
+        discarded = max(0, generated - slot.handed) if generated is not None else None
+        self.discarded_in_flight += discarded or 0
         slot.incarnation += 1
-        slot.handle, slot.ready, slot.pending = self._spawn(i, slot.incarnation), False, None
+        slot.handle = self._spawn(i, slot.incarnation, slot.stream_taken)
+        slot.ready, slot.pending, slot.handed = False, None, 0
         self.log_event(
-            "searcher_restarted", searcher=i, incarnation=slot.incarnation, reason=reason
-        )
+            "searcher_restarted", searcher=i, incarnation=slot.incarnation, reason=reason,
+            discarded_in_flight=discarded,
+        )  # fmt: skip
         if self._running:
             self._start(slot)
 
@@ -265,27 +396,44 @@ class RaySearchers:
         return self._weights
 
     def close(self) -> None:
+        """Stop every searcher; what they made but did not hand over is counted as discarded."""
         for slot in self.slots:
             self._ray.kill(slot.handle)
+        for i, slot in enumerate(self.slots):
+            generated = self.generated_by(i, slot.incarnation)
+            self.discarded_in_flight += max(0, (generated or 0) - slot.handed)
 
 
 @contextmanager
 def open_searchers(
-    config: RunConfig, policy_dir: Path, tokenizer, task: Task, log_event: EventLog
+    config: RunConfig,
+    policy_dir: Path,
+    tokenizer,
+    task: Task,
+    log_event: EventLog,
+    run_dir: Path,
+    restored: dict[str, Any] | None = None,
 ) -> Iterator[LocalSearchers | RaySearchers]:
-    """The run's searchers; with Ray, the Ray instance lives exactly as long as they do."""
+    """The run's searchers (continuing a checkpoint's `restored` state); with Ray, the Ray
+    instance lives exactly as long as they do."""
     if config.searchers.count == 0:
         device = resolve_device(config.searchers.device)
         searcher = Searcher(
-            load_model(str(policy_dir), device), tokenizer, task.train_rows, task.reward_fns,
+            load_policy(str(policy_dir), device, dtype=config.policy.dtype, lora=config.lora),
+            tokenizer, task.train_rows, task.reward_fns,
             search_settings(config), seed=config.seed,
         )  # fmt: skip
-        yield LocalSearchers(searcher)
+        local = LocalSearchers(searcher)
+        if restored:
+            local.restore(restored)
+        yield local
         return
     from tba.runtime.ray_cluster import ray_session
 
+    # Searcher ledgers live in the run directory, which only processes on this machine can see.
+    ledger_dir = run_dir / "searchers" if config.ray.address is None else None
     with ray_session(config):
-        searchers = RaySearchers(config, policy_dir, task, log_event)
+        searchers = RaySearchers(config, policy_dir, task, log_event, ledger_dir, restored)
         try:
             yield searchers
         finally:

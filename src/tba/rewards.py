@@ -1,0 +1,118 @@
+"""Calling the user's reward functions without letting one bad call cost the run.
+
+A reward function is `fn(prompts, completions, **columns) -> list[float]`, one finite number per
+completion. When a call raises, does not return within `timeout_s`, returns None, a list of the
+wrong length, or None/NaN/inf for some completions, the completions it failed on are dropped and
+counted (never scored as 0, which would teach the policy that they were wrong), and the fault is
+reported with the function's name and the reason. A function whose last `max_failures` calls all
+failed stops the run with `RewardError`: it is broken, not unlucky.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from tba.errors import RewardError
+from tba.tasks import RewardFn
+
+
+class _Timeout(Exception):
+    pass
+
+
+def call_with_timeout(fn: RewardFn, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), or `_Timeout` after `timeout_s`. A hung call is left behind in a daemon
+    thread (Python cannot kill a thread), so it never blocks the process from exiting."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as error:  # handed to the caller's thread below
+            result["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True, name=f"reward-{_name(fn)}")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _Timeout
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _name(fn: RewardFn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _as_reward(value: Any) -> float:
+    """A finite float (True counts as 1), or NaN for anything else (None, NaN, inf, a string)."""
+    if not isinstance(value, numbers.Real):
+        return math.nan
+    value = float(value)
+    return value if math.isfinite(value) else math.nan
+
+
+class RewardScorer:
+    """Sums the reward functions per completion; NaN marks a completion to drop."""
+
+    def __init__(self, reward_fns: Sequence[RewardFn], timeout_s: float, max_failures: int) -> None:
+        self.reward_fns = list(reward_fns)
+        self.timeout_s = timeout_s
+        self.max_failures = max_failures
+        self._failed_in_a_row: Counter[str] = Counter()
+
+    def score(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list]
+    ) -> tuple[list[float], dict[str, list[float]], list[tuple[str, str, int]]]:
+        """(totals, values per function, faults). A fault is (function, reason, completions
+        affected); a total is NaN where some function gave no usable value."""
+        parts: dict[str, list[float]] = {}
+        faults: list[tuple[str, str, int]] = []
+        for fn in self.reward_fns:
+            name = _name(fn)
+            values, reason = self._call(fn, prompts, completions, columns)
+            parts[name] = values
+            bad = sum(math.isnan(v) for v in values)
+            if reason is not None:
+                faults.append((name, reason, bad))
+            failed = bad == len(values)  # nothing usable came back
+            self._failed_in_a_row[name] = self._failed_in_a_row[name] + 1 if failed else 0
+            if self._failed_in_a_row[name] >= self.max_failures:
+                raise RewardError(
+                    f"reward function {name!r} failed on its last {self.max_failures} calls "
+                    f"(searchers.max_reward_failures); last: {reason}"
+                )
+        totals = [math.fsum(values) for values in zip(*parts.values())]
+        return totals, parts, faults
+
+    def _call(
+        self, fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]
+    ) -> tuple[list[float], str | None]:
+        """One value per completion (NaN where unusable), and what went wrong, if anything."""
+        unusable = [math.nan] * len(completions)
+        try:
+            returned = call_with_timeout(fn, self.timeout_s, prompts, completions, **columns)
+        except _Timeout:
+            return unusable, f"did not return within {self.timeout_s:g} s"
+        except Exception as error:
+            return unusable, f"raised {type(error).__name__}: {error}"
+        if returned is None:
+            return unusable, "returned None"
+        try:
+            returned = list(returned)
+        except TypeError:
+            return unusable, f"returned a {type(returned).__name__}, not a list"
+        if len(returned) != len(completions):
+            return unusable, f"returned {len(returned)} values for {len(completions)} completions"
+        values = [_as_reward(v) for v in returned]
+        bad = sum(math.isnan(v) for v in values)
+        if bad:
+            example = next(v for v, f in zip(returned, values) if math.isnan(f))
+            return values, f"returned {example!r} (not a finite number) for {bad} completions"
+        return values, None

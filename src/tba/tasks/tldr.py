@@ -1,0 +1,148 @@
+"""Preference tuning on TL;DR summaries: the reward is a reward model's score of prompt + summary.
+
+A summary cut off at the length limit (no EOS) gets `train.truncation_penalty` (−1 by default)
+instead of a score, through the searcher's `train.truncated` rule. Held-out "pass@1" is the win
+rate of the policy's summary against the row's reference summary under the evaluation reward
+model (the "gold" one, `task.eval_reward_model`, else the training reward model).
+
+Reward models are Hugging Face sequence-classification models with one output. A response is
+scored as `prompt + response + EOS`, read at that final EOS token, where reward models of this
+kind are trained to score. They are loaded by name or local path the first time they score, in
+the process that calls them: each searcher loads its own copy and nothing big travels with the
+task.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+PROMPT_TEMPLATE = "{query}"
+ANSWER_FIELD = "reference_response"
+
+
+class RewardModel:
+    """A reward function `fn(prompts, completions, **columns) -> list[float]`: the reward model's
+    score of each `prompt + completion + EOS`."""
+
+    def __init__(
+        self,
+        name_or_path: str,
+        *,
+        device: str = "auto",
+        batch_size: int = 32,
+        tokenizer_fallback: str | None = None,
+        name: str = "reward_model",
+    ) -> None:
+        self.name_or_path = name_or_path
+        self.device = device
+        self.batch_size = batch_size
+        self.tokenizer_fallback = tokenizer_fallback
+        self.__name__ = name  # the key of this reward in a sample's reward parts
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        """Pickled without the loaded model: a searcher process loads its own."""
+        return self.__dict__ | {"_model": None, "_tokenizer": None, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__ |= state | {"_lock": threading.Lock()}
+
+    def __call__(self, prompts: list[str], completions: list[str], **_: object) -> list[float]:
+        return self.score_pairs(prompts, completions)
+
+    def score_pairs(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """Scores of `prompt + response`, each ending with exactly one EOS."""
+        eos = self._load()[1].eos_token or ""
+        return self.score([p + r.removesuffix(eos) + eos for p, r in zip(prompts, responses)])
+
+    def score(self, texts: list[str]) -> list[float]:
+        """Scores of whole texts, read at their last token (padding excluded)."""
+        import torch
+
+        model, tokenizer = self._load()
+        scores: list[float] = []
+        for first in range(0, len(texts), self.batch_size):
+            batch = tokenizer(
+                texts[first : first + self.batch_size], return_tensors="pt", padding=True,
+                truncation=tokenizer.model_max_length < 1_000_000,
+            ).to(model.device)  # fmt: skip
+            with torch.no_grad():
+                scores += _last_token_scores(model, batch).float().tolist()
+        return scores
+
+    def _load(self) -> tuple[Any, Any]:
+        with self._lock:  # a call that timed out may still be loading: load once
+            if self._model is None:
+                self._model, self._tokenizer = load_reward_model(
+                    self.name_or_path, self.device, self.tokenizer_fallback
+                )
+        return self._model, self._tokenizer
+
+
+def _last_token_scores(model: Any, batch: Any) -> Any:
+    """The score head on each text's last real token. Read from the attention mask rather than
+    from the pad id, which is often the EOS id and would hide the EOS the score belongs to."""
+    import torch
+
+    head = getattr(model, "score", None)  # the head of Llama, Qwen, GPT-NeoX, GPT-2, ... models
+    if head is None:
+        return model(**batch).logits[:, 0]
+    mask = batch["attention_mask"]
+    hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state
+    last = mask.sum(dim=1) - 1  # right padding
+    return head(hidden[torch.arange(len(last), device=last.device), last])[:, 0]
+
+
+def load_reward_model(
+    name_or_path: str, device: str, tokenizer_fallback: str | None = None
+) -> tuple[Any, Any]:
+    """The model (eval mode, bf16 on a GPU) and its tokenizer, padding on the right and
+    truncating on the left. A model saved without a tokenizer uses `tokenizer_fallback`'s (e.g.
+    the policy's, of the same family)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tba.policy.model import resolve_device
+
+    target = resolve_device(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        if tokenizer_fallback is None:
+            raise
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_fallback)
+    tokenizer.padding_side = "right"
+    tokenizer.truncation_side = "left"  # keep the end, where the score is read
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=dtype)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model.to(target).eval().requires_grad_(False), tokenizer
+
+
+class WinRate:
+    """Correctness for TL;DR: 1.0 when the judge scores the completion above the row's reference
+    summary, else 0.0 (a tie loses). Reference scores are computed once and kept."""
+
+    def __init__(self, judge: RewardModel) -> None:
+        self.__name__ = "win_rate"
+        self.judge = judge
+        self._reference_scores: dict[tuple[str, str], float] = {}
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"_reference_scores": {}}
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], reference: list[str], **_: object
+    ) -> list[float]:
+        pairs = list(zip(prompts, reference))
+        missing = sorted(set(pairs) - set(self._reference_scores))
+        if missing:
+            scores = self.judge.score_pairs([p for p, _ in missing], [r for _, r in missing])
+            self._reference_scores |= dict(zip(missing, scores))
+        ours = self.judge.score_pairs(prompts, completions)
+        return [float(o > self._reference_scores[pair]) for o, pair in zip(ours, pairs)]

@@ -1,0 +1,350 @@
+"""Faults a long run meets: reward functions that raise, hang or return garbage; non-finite losses;
+bad input (missing model, existing run directory, full disk while checkpointing); and safety (the
+verifier never runs model output, the local Ray instance listens on loopback only)."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import ipaddress
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_e2e import FAST
+
+from tba.buffer import Sample
+from tba.checkpoint import list_checkpoints, load_checkpoint
+from tba.cli import main
+from tba.errors import RewardError
+from tba.rewards import RewardScorer
+from tba.rundir import read_metrics
+from tba.searcher import Searcher, SearchSettings
+from tba.tasks import math as math_task
+from tba.trainer import Trainer
+
+PROMPTS = ["p0", "p1", "p2", "p3"]
+COMPLETIONS = ["a", "b", "c", "d"]
+
+
+def ones(prompts, completions, **_):
+    return [1.0] * len(completions)
+
+
+def score(fn, timeout_s: float = 5.0, max_failures: int = 3):
+    scorer = RewardScorer([ones, fn], timeout_s=timeout_s, max_failures=max_failures)
+    return scorer.score(PROMPTS, COMPLETIONS, {})
+
+
+# ------------------------------------------------------------------------- reward functions
+
+
+@pytest.mark.parametrize(
+    ("returned", "reason", "dropped"),
+    [
+        (None, "returned None", 4),
+        ([1.0, 2.0], "returned 2 values for 4 completions", 4),
+        ([0.0, None, 1.0, 1.0], "returned None (not a finite number) for 1 completions", 1),
+        ([0.0, math.nan, math.inf, 1.0], "returned nan (not a finite number) for 2 completions", 2),
+        (3.0, "returned a float, not a list", 4),
+    ],
+)
+def test_bad_return_values_drop_the_affected_completions(returned, reason, dropped):
+    def bad(prompts, completions, **_):
+        return returned
+
+    totals, parts, faults = score(bad)
+    assert sum(math.isnan(t) for t in totals) == dropped  # dropped, never scored as 0
+    assert all(t == 1.0 + v for t, v in zip(totals, parts["bad"]) if not math.isnan(t))
+    assert faults == [("bad", reason, dropped)]
+
+
+def test_a_raising_or_hanging_function_drops_its_call():
+    def raises(prompts, completions, **_):
+        raise KeyError("no such column")
+
+    def hangs(prompts, completions, **_):
+        time.sleep(30)
+
+    totals, _, faults = score(raises)
+    assert all(math.isnan(t) for t in totals)
+    assert faults == [("raises", "raised KeyError: 'no such column'", 4)]
+    start = time.time()
+    totals, _, faults = score(hangs, timeout_s=0.2)
+    assert time.time() - start < 5
+    assert all(math.isnan(t) for t in totals)
+    assert faults == [("hangs", "did not return within 0.2 s", 4)]
+
+
+def test_a_function_failing_call_after_call_stops_the_run():
+    calls = []
+
+    def flaky(prompts, completions, **_):
+        calls.append(1)
+        if len(calls) != 3:
+            raise ValueError("boom")
+        return [0.5] * len(completions)
+
+    scorer = RewardScorer([flaky], timeout_s=5.0, max_failures=3)
+    for _ in range(5):  # fails, fails, works, fails, fails: never 3 in a row
+        scorer.score(PROMPTS, COMPLETIONS, {})
+    with pytest.raises(RewardError, match="'flaky' failed on its last 3 calls.*ValueError: boom"):
+        scorer.score(PROMPTS, COMPLETIONS, {})
+
+
+def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
+    def half_none(prompts, completions, **_):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+    settings = SearchSettings(samples_per_prompt=4, temperature=1.0, max_new_tokens=4,
+                              truncated="penalize", truncation_penalty=-1.0)  # fmt: skip
+    rows = [{"prompt": "Q1\n"}, {"prompt": "Q2\n"}]
+    searcher = Searcher(tiny_model, tokenizer, rows, [half_none], settings)
+    truncated = [False, False, False, False, False, True, False, False]
+    totals, _, dropped = searcher._score([0] * 4 + [1] * 4, ["1"] * 8, truncated)
+    # Truncated responses get the penalty whatever the reward says; the others need a reward.
+    assert [t if not math.isnan(t) else None for t in totals] == [
+        1.0, None, 1.0, None, 1.0, -1.0, 1.0, None
+    ]  # fmt: skip
+    assert dropped == 3
+    [(name, reason, affected)] = searcher.take_reward_faults()
+    assert name == "half_none" and affected == 4 and "returned None" in reason
+    assert searcher.take_reward_faults() == []
+
+    samples, stats = searcher.generate(num_prompts=2)  # a random policy: all truncated, all kept
+    assert len(samples) + stats["reward_dropped"] == 8
+    assert [s.seq for s in samples] == list(range(len(samples)))  # kept samples numbered densely
+
+
+def _with_reward(monkeypatch, fn) -> None:
+    """The run's task gains reward function `fn` next to its own."""
+    import tba.run
+
+    original = tba.run.load_task
+
+    def load_task(*args, **kwargs):
+        task = original(*args, **kwargs)
+        task.reward_fns = [*task.reward_fns, fn]
+        return task
+
+    monkeypatch.setattr(tba.run, "load_task", load_task)
+
+
+def test_a_run_survives_a_flaky_reward_function(tmp_path, monkeypatch):
+    calls = []
+
+    def flaky_judge(prompts, completions, **_):
+        calls.append(1)
+        if len(calls) % 2:
+            raise TimeoutError("judge service unavailable")
+        return [0.0] * len(completions)
+
+    _with_reward(monkeypatch, flaky_judge)
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
+    assert main(["train", *overrides, "train.max_steps=4"]) == 0
+    summary = json.loads((run_dir / "eval.json").read_text())
+    assert summary["steps"] == 4
+    assert summary["reward_dropped"] > 0
+    [(kind, dropped)] = summary["reward_faults"].items()
+    assert kind == "flaky_judge: raised TimeoutError: judge service unavailable" and dropped > 0
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "reward_fault" and e["function"] == "flaky_judge" for e in events)
+
+
+def test_a_reward_function_that_always_fails_stops_the_run(tmp_path, monkeypatch, capsys):
+    def broken(prompts, completions, **_):
+        return None
+
+    _with_reward(monkeypatch, broken)
+    overrides = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'r'}"]
+    assert main(["train", *overrides, "searchers.max_reward_failures=2"]) == 1
+    err = capsys.readouterr().err
+    assert "reward function 'broken' failed on its last 2 calls" in err
+    assert "returned None" in err
+
+
+# ---------------------------------------------------------------------------- numerical faults
+
+
+def test_a_non_finite_loss_skips_the_update(tiny_model, tokenizer):
+    prompt = tokenizer("Q\n")["input_ids"]
+    group = [
+        Sample(0, prompt, tokenizer(t, add_special_tokens=False)["input_ids"], reward=1.0,
+               ref_logp=ref, behaviour_logp=-1.0, version=0)
+        for t, ref in [("1", -1.0), ("2", -math.inf)]
+    ]  # fmt: skip
+    trainer = Trainer(tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0,
+                      learning_rate=1e-2, max_grad_norm=1.0)  # fmt: skip
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    metrics = trainer.step([group], beta=0.1)
+    assert metrics["skipped"] == 1.0 and not math.isfinite(metrics["loss"])
+    assert all(torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
+    assert trainer.optimizer.state == {}  # Adam's moments untouched
+    assert trainer.skipped_steps == 1 and trainer.step_count == 1
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    def nan_loss(self, flat, beta):
+        logp = torch.stack([p.sum() for p in self.model.parameters()]).sum()
+        return logp * math.nan, {}
+
+    monkeypatch.setattr(Trainer, "_loss", nan_loss)
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
+    assert main(["train", *overrides, "train.max_steps=10", "train.max_nonfinite_steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert "not finite on 3 steps in a row" in err and "last good state" in err
+    [checkpoint] = list_checkpoints(run_dir)
+    assert load_checkpoint(checkpoint).step == 3
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["skipped"] for r in steps] == [1.0, 1.0, 1.0]
+
+
+# --------------------------------------------------------------------------------- bad input
+
+
+def test_a_missing_model_directory_is_named(tmp_path, capsys):
+    assert main(["train", f"policy.model={tmp_path / 'nope'}", f"output_dir={tmp_path}/r"]) == 2
+    assert str(tmp_path / "nope") in capsys.readouterr().err
+
+
+def test_an_existing_run_is_kept_unless_overwritten(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
+    assert main(["train", *overrides, "train.max_steps=1"]) == 0
+    assert main(["train", *overrides, "train.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert main(["train", *overrides, "train.max_steps=2", "--overwrite"]) == 0
+    assert json.loads((run_dir / "eval.json").read_text())["steps"] == 2
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import tba.checkpoint
+
+    real_save = tba.checkpoint.save_file
+    saved = []
+
+    def save_file(tensors, path):
+        if len(saved) >= 2:  # the first checkpoint's two files fit, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        saved.append(path)
+        real_save(tensors, path)
+
+    monkeypatch.setattr(tba.checkpoint, "save_file", save_file)
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
+    assert main(["train", *overrides, "train.max_steps=3", "checkpoint.every=1"]) == 0
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step000001"]
+    assert load_checkpoint(list_checkpoints(run_dir)[0]).step == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step000001"]
+    summary = json.loads((run_dir / "eval.json").read_text())
+    assert summary["steps"] == 3 and summary["checkpoint_failures"] == 3  # steps 2, 3 and exit
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "checkpoint_failed" and "No space" in e["error"] for e in events)
+
+
+# -------------------------------------------------------------------------------------- safety
+
+
+def test_the_verifier_never_evaluates_model_output(tmp_path, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("model output must never be evaluated")
+
+    monkeypatch.setattr(builtins, "eval", forbidden)
+    monkeypatch.setattr(builtins, "exec", forbidden)
+    marker = tmp_path / "pwned"
+    hostile = [
+        f"__import__('os').system('touch {marker}')",
+        "2+2",
+        "#### 4; import os",
+        "1e309",
+        "9" * 5000,
+    ]
+    results = math_task.correctness_reward(["q"] * len(hostile), hostile, ["4"] * len(hostile))
+    assert results == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert not marker.exists()
+
+
+def test_checkpoints_hold_no_pickles(tmp_path, monkeypatch):
+    import pickle
+
+    run_dir = tmp_path / "run"
+    overrides = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
+    assert main(["train", *overrides, "train.max_steps=1"]) == 0
+    [checkpoint] = list_checkpoints(run_dir)
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "buffer.json.gz", "model.safetensors", "optimizer.safetensors", "state.json",
+    ]  # fmt: skip
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint must load without unpickling")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    assert load_checkpoint(checkpoint).step == 1
+
+
+@pytest.mark.slow
+def test_the_local_ray_instance_listens_on_loopback_only():
+    from tba.config import load_config
+    from tba.runtime.ray_cluster import ray_session
+
+    with ray_session(load_config(None, ["ray.num_cpus=1"])):
+        addresses = listening_addresses(descendants(os.getpid()))
+    assert addresses, "found no listening socket of the Ray processes"
+    for address in map(ipaddress.ip_address, addresses):
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is IPv4 loopback
+        assert (mapped or address).is_loopback, address
+
+
+def descendants(root: int) -> set[int]:
+    """`root` and every process below it, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier += children
+    return found
+
+
+def listening_addresses(pids: set[int]) -> set[str]:
+    """Local addresses of the TCP sockets in LISTEN state that these processes hold."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addresses.add(_address(fields[1].split(":")[0], family))
+    return addresses
+
+
+def _address(hex_address: str, family: int) -> str:
+    raw = bytes.fromhex(hex_address)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(family, words)

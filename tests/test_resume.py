@@ -1,0 +1,221 @@
+"""Checkpoints and `tba train --resume`: a synchronous run killed with SIGKILL and resumed logs the
+same metrics as one that was never interrupted; an asynchronous one continues with its replay
+buffer restored, every sample merged before the checkpoint back and none twice."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from test_train_e2e import FAST
+
+from tba.buffer import ReplayBuffer, Sample
+from tba.checkpoint import (
+    _unshared,
+    check_compatible,
+    latest_checkpoint,
+    list_checkpoints,
+    restore_rng_states,
+    rng_states,
+    save_checkpoint,
+)
+from tba.cli import main
+from tba.errors import CheckpointError
+from tba.rundir import read_metrics
+from tba.trainer import Trainer
+
+# Values that must match between an uninterrupted and a resumed run (timings need not).
+COMPARED = ("loss", "reward_mean", "grad_norm", "beta", "log_z", "kl", "buffer_size",
+            "staleness_mean", "eval_pass@1", "response_length", "truncated_frac")  # fmt: skip
+
+
+def step_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tba.cli", *command], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def kill_after_checkpoint(process: subprocess.Popen, run_dir: Path, timeout: float = 180) -> int:
+    """SIGKILL the run's whole process group once its first periodic checkpoint is complete."""
+    deadline = time.time() + timeout
+    while not list_checkpoints(run_dir):
+        assert process.poll() is None, process.stdout.read()
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return latest_checkpoint(run_dir).step
+
+
+# -------------------------------------------------------------------------------- sync, exact
+
+
+@pytest.mark.slow
+def test_sync_run_killed_and_resumed_matches_an_uninterrupted_one(tmp_path):
+    common = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", "train.max_steps=30",
+              "train.max_minutes=null", "checkpoint.every=5", "eval.every=5",
+              "train.beta_end=0.01"]  # fmt: skip
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert main(["train", *common, f"output_dir={reference}"]) == 0
+
+    process = start(["train", *common, f"output_dir={resumed}"])
+    killed_at = kill_after_checkpoint(process, resumed)
+    assert not (resumed / "eval.json").exists(), "the run ended before it could be killed"
+    assert main(["train", "--resume", str(resumed)]) == 0
+
+    expected, got = step_records(reference), step_records(resumed)
+    assert sorted(got) == list(range(1, 31)) and killed_at < 30
+    for step, record in expected.items():
+        for key in COMPARED:
+            if key in record:
+                assert got[step][key] == pytest.approx(record[key], rel=1e-6, abs=1e-7), (step, key)
+    summaries = [json.loads((d / "eval.json").read_text()) for d in (reference, resumed)]
+    assert summaries[0]["final"] == summaries[1]["final"]
+    assert summaries[1]["samples_merged"] == summaries[0]["samples_merged"]
+    events = [json.loads(line) for line in (resumed / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [killed_at]
+
+
+# ------------------------------------------------------------------------ async, buffer restored
+
+
+@pytest.mark.slow
+def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
+    from test_async_e2e import TINY
+
+    run_dir = tmp_path / "run"
+    common = [*TINY, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}",
+              "train.mode=async", "searchers.count=1", "checkpoint.every=4",
+              "train.max_minutes=null"]  # fmt: skip
+    process = start(["train", *common, "train.max_steps=100000"])
+    killed_at = kill_after_checkpoint(process, run_dir, timeout=240)
+    checkpoint = latest_checkpoint(run_dir)
+    before = {(s.searcher_id, s.incarnation, s.seq) for s in _samples(checkpoint.buffer)}
+    assert before and checkpoint.step == killed_at
+
+    # The resumed trainer waits for one fresh sample, so the new searcher's work shows.
+    more = [f"train.max_steps={killed_at + 6}", f"train.initial_buffer_samples={len(before) + 1}"]
+    assert main(["train", "--resume", str(run_dir), *more]) == 0
+    summary = json.loads((run_dir / "eval.json").read_text())
+    final = latest_checkpoint(run_dir)
+    assert final.step == killed_at + 6 == summary["steps"]
+    after = [(s.searcher_id, s.incarnation, s.seq) for s in _samples(final.buffer)]
+    assert len(after) == len(set(after)), "a sample was merged twice"
+    assert before <= set(after), "a sample merged before the checkpoint is missing"
+    new_incarnations = {inc for _, inc, _ in set(after) - before}
+    assert new_incarnations and min(new_incarnations) > max(inc for _, inc, _ in before)
+    assert summary["samples_duplicated"] == 0 and summary["samples_lost"] == 0
+    # What the killed run's searchers made after the checkpoint is work lost, counted apart.
+    assert summary["samples_generated"] == summary["samples_merged"] + summary[
+        "samples_discarded_in_flight"
+    ]
+    assert summary["samples_discarded_in_flight"] > 0
+
+
+def _samples(buffer: ReplayBuffer) -> list[Sample]:
+    return [s for samples in buffer._prompts.values() for s in samples.values()]
+
+
+# --------------------------------------------------------------------------- bad resumes
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no run there" in capsys.readouterr().err
+
+    run_dir = tmp_path / "run"
+    common = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
+    assert main(["train", *common, "train.max_steps=2"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "task.num_train=64"]) == 2
+    assert "was written with task=" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run_dir), "seed=1"]) == 2
+    assert "seed=0" in capsys.readouterr().err
+
+    # A finished run can be continued for more steps.
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=4"]) == 0
+    assert sorted(step_records(run_dir)) == [1, 2, 3, 4]
+
+    for checkpoint in list_checkpoints(run_dir):
+        (checkpoint / "model.safetensors").write_bytes(b"not a tensor file")
+    assert main(["train", "--resume", str(run_dir), "train.max_steps=5"]) == 2
+    assert "cannot read checkpoint" in capsys.readouterr().err
+
+
+def test_check_compatible_names_the_setting():
+    saved = {"seed": 0, "policy": {"model": "a"}, "task": {"name": "math"}}
+    check_compatible(saved, saved, Path("ckpt"))
+    changed = {**saved, "policy": {"model": "b"}}
+    with pytest.raises(CheckpointError, match="policy.model='a', this run has 'b'"):
+        check_compatible(saved, changed, Path("ckpt"))
+
+
+# ------------------------------------------------------------------------ the pieces, exactly
+
+
+def test_trainer_state_round_trips_exactly(tiny_model, tokenizer):
+    from tba.policy.model import frozen_copy
+
+    prompt = tokenizer("Q\n")["input_ids"]
+    group = [Sample(0, prompt, tokenizer(t, add_special_tokens=False)["input_ids"], reward=r,
+                    ref_logp=-2.0, behaviour_logp=-2.0, version=0)
+             for t, r in [("1", 1.0), ("22", 0.0)]]  # fmt: skip
+
+    def trainer(model):
+        return Trainer(model, pad_id=tokenizer.pad_token_id, temperature=1.0,
+                       learning_rate=1e-2, max_grad_norm=1.0, warmup_steps=3)  # fmt: skip
+
+    first = trainer(frozen_copy(tiny_model).requires_grad_(True))
+    first.step([group], beta=0.1)
+    first.publish()
+    model, optimizer, meta = first.state_dict()
+    # Through bytes, as through a checkpoint file: the two trainers must share no tensor.
+    model, optimizer = (safetensors.torch.load(safetensors.torch.save(_unshared(t)))
+                        for t in (model, optimizer))  # fmt: skip
+    second = trainer(frozen_copy(tiny_model).requires_grad_(True))
+    second.load_state_dict(model, optimizer, json.loads(json.dumps(meta)))
+    assert (second.version, second.step_count) == (1, 1)
+    assert second.schedule.get_last_lr() == first.schedule.get_last_lr()
+    a, b = first.step([group], beta=0.1), second.step([group], beta=0.1)
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    for p, q in zip(first.model.parameters(), second.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_rng_states_round_trip_through_json():
+    import random
+
+    sampler = np.random.default_rng(3)
+    states = json.loads(json.dumps(rng_states(sampler)))
+    expected = (sampler.random(), random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng_states(sampler, states)
+    assert (sampler.random(), random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    buffer = ReplayBuffer(10)
+    buffer.add([Sample(1, [1], [2], reward=0.5, ref_logp=-1.0, behaviour_logp=-1.0, version=0)])
+    tensors = {"w": torch.ones(2)}
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model=tensors, optimizer={}, buffer=buffer,
+                        state={"x": step}, keep=2)  # fmt: skip
+    (tmp_path / "checkpoints" / ".partial-step000004").mkdir()  # a write cut short
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step000002", "step000003"]
+    latest = latest_checkpoint(tmp_path)
+    assert latest.step == 3 and latest.state["x"] == 3 and len(latest.buffer) == 1
+    assert math.isclose(float(latest.model["w"][0]), 1.0)
