@@ -73,9 +73,10 @@ def plot_curves(curves: dict[str, Curve], target: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, curve in curves.items():
+    colors = plt.cm.tab20.colors if len(curves) > 10 else plt.cm.tab10.colors
+    for (name, curve), color in zip(curves.items(), colors):
         minutes, _, scores = zip(*curve)
-        ax.plot(minutes, scores, marker="o", markersize=3, label=name)
+        ax.plot(minutes, scores, marker="o", markersize=3, label=name, color=color)
     ax.axhline(target, color="grey", linestyle=":", label="target")
     ax.set_xlabel("wall-clock minutes of training")
     ax.set_ylabel("held-out greedy pass@1")

@@ -8,6 +8,7 @@ scored afterwards (greedy pass@1 on the held-out split), so evaluation costs no 
     python benchmarks/compare.py                      # the main table, 8 minutes per run
     python benchmarks/compare.py --stress             # every objective asynchronous with k = 10
     python benchmarks/compare.py --only tba-async,dr_grpo-sync --minutes 2
+    python benchmarks/compare.py --report runs/a runs/b --out runs/all   # one table from several
 
 TRL needs the benchmark extra (`pip install -e ".[bench]"`); its learning rate is swept
 (`--trl-lrs`) and every point of the sweep is reported, the best one in the main table.
@@ -87,7 +88,13 @@ def main() -> None:
     parser.add_argument("--trl-lrs", default="1e-5,5e-5,2e-4", help="TRL learning rates to try")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
+    parser.add_argument("--report", type=Path, nargs="+", metavar="DIR",
+                        help="run nothing: merge the results.json of earlier invocations into one "
+                        "table and plot (written to --out)")  # fmt: skip
     args = parser.parse_args()
+    if args.report:
+        report(args)
+        return
     if args.out.exists():
         parser.error(f"{args.out} exists; choose another --out")
     torch.set_num_threads(2)
@@ -109,6 +116,20 @@ def main() -> None:
                     args.minutes, args.snapshot_minutes)  # fmt: skip
         results[name] = summarize(label, run_dir, pass_at_1_curve(run_dir), args.target)
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    plot_curves(
+        {r["label"]: r["curve"] for r in results.values()}, args.target, args.out / "compare.png"
+    )
+    print_table(results, args)
+
+
+def report(args: argparse.Namespace) -> None:
+    """One table and plot from several invocations (same --minutes, --target and --num-eval)."""
+    results = {}
+    for directory in args.report:
+        results |= json.loads((directory / "results.json").read_text())
+    results = dict(sorted(results.items(), key=lambda kv: -kv[1]["final_pass@1"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
     plot_curves(
         {r["label"]: r["curve"] for r in results.values()}, args.target, args.out / "compare.png"
     )

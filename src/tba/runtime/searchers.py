@@ -116,6 +116,7 @@ class _Slot:
     totals: dict[str, float] = field(default_factory=dict)
     stream_taken: int = 0  # stream position after the last batch handed over
     handed: int = 0  # samples this incarnation has handed over
+    restarts: int = 0  # deaths replaced so far (a resume starts a new incarnation, not a restart)
 
 
 class RaySearchers:
@@ -151,6 +152,7 @@ class RaySearchers:
             ledger_dir.mkdir(parents=True, exist_ok=True)
         if restored:  # counted before any new searcher writes its ledger
             self.discarded_in_flight = restored["discarded_in_flight"] + self._rolled_back(restored)
+            self.restarts = restored["restarts"]
         self.slots = [self._new_slot(i, restored) for i in range(sc.count)]
 
     def _rolled_back(self, restored: dict[str, Any]) -> int:
@@ -171,15 +173,17 @@ class RaySearchers:
             return _Slot(self._spawn(i, 0, 0))
         incarnation = max(saved["incarnation"], self._last_ledger_incarnation(i)) + 1
         return _Slot(self._spawn(i, incarnation, saved["stream_taken"]), incarnation=incarnation,
-                     stream_taken=saved["stream_taken"])  # fmt: skip
+                     stream_taken=saved["stream_taken"], restarts=saved["restarts"])  # fmt: skip
 
     def state(self) -> dict[str, Any]:
         return {
             "slots": [
-                {"incarnation": s.incarnation, "stream_taken": s.stream_taken, "handed": s.handed}
+                {"incarnation": s.incarnation, "stream_taken": s.stream_taken, "handed": s.handed,
+                 "restarts": s.restarts}
                 for s in self.slots
             ],
             "discarded_in_flight": self.discarded_in_flight,
+            "restarts": self.restarts,
         }
 
     def total_generated(self) -> int | None:
@@ -360,13 +364,14 @@ class RaySearchers:
         """A dead searcher process: start a new one in its place, with the latest weights."""
         slot = self.slots[i]
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if slot.incarnation >= self.config.searchers.max_restarts:
+        if slot.restarts >= self.config.searchers.max_restarts:
             raise SearcherError(
-                f"searcher {i} died {slot.incarnation + 1} times "
+                f"searcher {i} died {slot.restarts + 1} times "
                 f"(searchers.max_restarts={self.config.searchers.max_restarts}); last: {error}"
             )
         self._ray.kill(slot.handle)
         self.restarts += 1
+        slot.restarts += 1
         generated = self.generated_by(i, slot.incarnation)
         discarded = max(0, generated - slot.handed) if generated is not None else None
         self.discarded_in_flight += discarded or 0
