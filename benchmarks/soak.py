@@ -59,19 +59,24 @@ def supervise(process: subprocess.Popen, run_dir: Path, args, until: float | Non
     while process.poll() is None:
         if until is not None and time.time() >= until:
             return "due"
-        if time.time() >= next_kill:
-            pids = searcher_pids(run_dir)
-            if pids:
-                index = rng.choice(sorted(pids))
-                try:
-                    os.kill(pids[index], signal.SIGKILL)
-                    print(f"[{time.strftime('%H:%M:%S')}] killed searcher {index} "
-                          f"(pid {pids[index]})", flush=True)  # fmt: skip
-                except ProcessLookupError:
-                    pass
+        if time.time() >= next_kill and kill_a_searcher(run_dir, rng):
             next_kill += args.kill_every * 60
         time.sleep(1.0)
     return "done"
+
+
+def kill_a_searcher(run_dir: Path, rng: random.Random) -> bool:
+    """SIGKILL a random searcher; False when none is up (one still starting: try again soon)."""
+    pids = searcher_pids(run_dir)
+    if not pids:
+        return False
+    index = rng.choice(sorted(pids))
+    try:
+        os.kill(pids[index], signal.SIGKILL)
+    except ProcessLookupError:  # already dead, its replacement not ready yet
+        return False
+    print(f"[{time.strftime('%H:%M:%S')}] killed searcher {index} (pid {pids[index]})", flush=True)
+    return True
 
 
 def main() -> None:

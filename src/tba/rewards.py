@@ -22,7 +22,7 @@ from tba.tasks import RewardFn
 
 
 class _Timeout(Exception):
-    pass
+    """The reward call did not return in time."""
 
 
 def call_with_timeout(fn: RewardFn, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
