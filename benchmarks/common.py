@@ -1,24 +1,105 @@
-"""Shared by the benchmarks: run `tba train` in its own process, score the policy snapshots a run
-saved (greedy pass@1 on the held-out split, after the run, so evaluation costs no training time),
-and draw pass@1 against wall-clock minutes."""
+"""Shared by the benchmarks: run `tba train` (or another trainer) in its own process, one run per
+method and seed; score the policy snapshots every run saved on one fixed held-out set (after the
+run, so evaluation costs no training time); aggregate the seeds (mean and spread of pass@1 at
+every snapshot time, time to a target read from the mean curve); print tables and plot the curves
+with bands, against wall-clock minutes and against fresh samples consumed.
+
+Every run of a benchmark starts from the same base policy (the built-in one of seed 0) and is
+scored on the same held-out problems: seeds vary what RL does (prompt order, sampling), not the
+starting point or the test set, so that differences between methods are not differences between
+base policies.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 from safetensors.numpy import load_file
-from transformers import AutoTokenizer
 
+from tba.base_policy import resolve_policy
 from tba.config import load_config
 from tba.evaluation import greedy_pass_at_1
 from tba.policy.model import load_model, set_weights
+from tba.policy.tokenizer import load_tokenizer
 from tba.rundir import read_metrics
 from tba.tasks import build_task
 
-Curve = list[tuple[float, int, float]]  # (minutes, step, greedy pass@1)
+
+class Point(NamedTuple):
+    minutes: float  # of training
+    step: int
+    samples: int  # fresh samples consumed (generated and merged) so far
+    pass_at_1: float  # greedy, held-out
+
+
+@dataclass
+class Method:
+    label: str
+    overrides: list[str] = field(default_factory=list)
+    # Runs something else than `tba train` (e.g. TRL): run(run_dir, seed, args).
+    runner: Callable[[Path, int, argparse.Namespace], None] | None = None
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, minutes: float, out: str) -> None:
+    parser.add_argument("--minutes", type=float, default=minutes, help="training budget per run")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per method (0, 1, ...)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--target", type=float, default=0.55, help="held-out pass@1 target")
+    parser.add_argument("--snapshot-minutes", type=float, default=0.5)
+    parser.add_argument("--num-eval", type=int, default=1024, help="held-out problems")
+    parser.add_argument("--only", help="comma-separated method names (default: all)")
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument(
+        "--report", type=Path, nargs="+", metavar="DIR",
+        help="run nothing: merge the results.json of earlier invocations into one table and "
+        "plot (written to --out)",
+    )  # fmt: skip
+    parser.add_argument("overrides", nargs="*", help="key=value for every tba run")
+
+
+def base_policy() -> Path:
+    """The built-in base policy every benchmark run starts from (built once, cached)."""
+    config = load_config()
+    return resolve_policy(config.policy.model, config.pretrain, 0, print)
+
+
+def run_suite(
+    methods: dict[str, Method], args: argparse.Namespace
+) -> dict[str, dict[int, list[Point]]]:
+    """Every method for every seed, one run at a time, each scored when it ends. Results are
+    saved to `args.out/results.json` after each run, and a finished run is not run again when
+    the benchmark is restarted with the same --out."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    results_path = args.out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    base = args.base = base_policy()  # runners of other trainers start from it too
+    # Seed by seed across methods, so that a machine that slows down for a while (shared
+    # cores) costs every method alike rather than one of them.
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for name, method in methods.items():
+            entry = results.setdefault(name, {"label": method.label, "runs": {}})
+            if str(seed) in entry["runs"]:
+                continue
+            run_dir = args.out / name / f"seed{seed}"
+            if method.runner is not None:
+                method.runner(run_dir, seed, args)
+            else:
+                overrides = [f"policy.model={base}", f"seed={seed}", *args.overrides,
+                             *method.overrides]  # fmt: skip
+                run_tba(run_dir, overrides, args.minutes, args.snapshot_minutes)
+            curve = score_snapshots(run_dir, args.num_eval)
+            entry["runs"][str(seed)] = {"curve": curve, **run_summary(run_dir)}
+            results_path.write_text(json.dumps(results, indent=1))
+    return results
 
 
 def run_tba(run_dir: Path, overrides: list[str], minutes: float, snapshot_minutes: float) -> None:
@@ -26,61 +107,202 @@ def run_tba(run_dir: Path, overrides: list[str], minutes: float, snapshot_minute
     command = [
         sys.executable, "-m", "tba.cli", "train", *overrides,
         f"train.max_minutes={minutes}", "train.max_steps=1000000", "eval.every=1000000",
-        f"eval.snapshot_minutes={snapshot_minutes}", f"output_dir={run_dir}",
+        # The run's own evaluations (base and final) only cost wall-clock time here: keep small.
+        "task.num_eval=64", "task.num_eval_pass_k=16", "eval.pass_k=4",
+        f"eval.snapshot_minutes={snapshot_minutes}", f"output_dir={run_dir}", "--overwrite",
     ]  # fmt: skip
     run_logged(command, run_dir)
 
 
 def run_logged(command: list[str], run_dir: Path) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {run_dir.name}: {' '.join(command[2:])}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {run_dir}: {' '.join(command[2:])}", flush=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
 
 
-def pass_at_1_curve(run_dir: Path, base: float | None = None) -> Curve:
-    """Greedy pass@1 at every snapshot of a run; `base` (or the run's own step-0 evaluation)
-    stands for minute 0 unless the run saved a snapshot there."""
+def score_snapshots(run_dir: Path, num_eval: int) -> list[Point]:
+    """Greedy pass@1 of the base policy (minute 0) and of every snapshot of a run, on the first
+    `num_eval` held-out problems of seed 0."""
     config = load_config(run_dir / "config.yaml")
-    task = build_task(
-        config.task.name, num_train=1, num_eval=config.task.num_eval, seed=config.seed
-    )
-    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
-    model = load_model(str(run_dir / "final"), "cpu")
-    records = read_metrics(run_dir / "metrics.jsonl")
-    curve: Curve = []
-    if base is not None or "eval_pass@1" in records[0]:
-        curve.append((0.0, 0, base if base is not None else records[0]["eval_pass@1"]))
-    for record in records:
-        if "snapshot" in record:
+    task = build_task(config.task.name, num_train=1, num_eval=num_eval, seed=0)
+    base = resolve_policy(config.policy.model, config.pretrain, config.seed)
+    tokenizer = load_tokenizer(str(base))
+    model = load_model(str(base), "cpu")
+
+    def score() -> float:
+        return greedy_pass_at_1(model, tokenizer, task.eval_rows, task.correct_fn,
+                                max_new_tokens=config.policy.max_new_tokens)  # fmt: skip
+
+    curve = [Point(0.0, 0, 0, score())]
+    samples = 0
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        # tba runs log the samples merged at each step; other trainers their running total.
+        samples = record.get("samples", samples + record.get("samples_in", 0))
+        if "snapshot" in record and record["step"] > 0:
             set_weights(model, load_file(run_dir / record["snapshot"]))
-            score = greedy_pass_at_1(
-                model, tokenizer, task.eval_rows, task.correct_fn,
-                max_new_tokens=config.policy.max_new_tokens,
-            )  # fmt: skip
-            curve.append((record["time"] / 60, record["step"], score))
+            curve.append(Point(record["time"] / 60, record["step"], samples, score()))
     return curve
 
 
-def minutes_to(target: float, curve: Curve) -> float | None:
-    return next((minutes for minutes, _, score in curve if score >= target), None)
+def run_summary(run_dir: Path) -> dict:
+    """Throughput and bookkeeping of a run, from its eval.json."""
+    summary = json.loads((run_dir / "eval.json").read_text())
+    keys = ["steps", "samples_per_s", "trainer_wait_frac", "staleness_steps_mean",
+            "groups_repeated", "identical_batches", "groups_fresh", "groups_trained",
+            "train_minutes"]  # fmt: skip
+    return {key: summary[key] for key in keys if key in summary}
 
 
-def plot_curves(curves: dict[str, Curve], target: float, path: Path) -> None:
+# ----------------------------------------------------------------------------- aggregation
+
+
+@dataclass
+class Aggregate:
+    """One method over its seeds, on a common grid of minutes."""
+
+    label: str
+    grid: np.ndarray  # minutes
+    runs: list[list[Point]]
+    mean: np.ndarray  # mean pass@1 over seeds at each grid point
+    std: np.ndarray  # its standard deviation over seeds (0 with one seed)
+    samples: np.ndarray  # mean fresh samples consumed at each grid point
+    summaries: list[dict]
+
+    @property
+    def base(self) -> float:
+        return float(np.mean([run[0].pass_at_1 for run in self.runs]))
+
+    def minutes_to(self, target: float) -> float | None:
+        """When the mean curve first reaches `target` (linear between grid points)."""
+        return _first_crossing(self.grid, self.mean, target)
+
+    def seed_minutes_to(self, target: float) -> list[float | None]:
+        return [_first_crossing(*_curve_arrays(run)[:2], target) for run in self.runs]
+
+    def final(self) -> tuple[float, float]:
+        ends = [run[-1].pass_at_1 for run in self.runs]
+        return float(np.mean(ends)), _std(ends)
+
+    def lowest(self) -> float:
+        """The lowest pass@1 any seed reached along the way, minus its base."""
+        return min(min(p.pass_at_1 for p in run) - run[0].pass_at_1 for run in self.runs)
+
+    def mean_of(self, key: str) -> float:
+        values = [s[key] for s in self.summaries if key in s]
+        return float(np.mean(values)) if values else float("nan")
+
+
+def aggregate(label: str, runs: list[list[Point]], summaries: list[dict], step: float) -> Aggregate:
+    end = min(run[-1].minutes for run in runs)
+    grid = np.append(np.arange(0.0, end, step), end)
+    values = np.array([np.interp(grid, *_curve_arrays(run)[:2]) for run in runs])
+    samples = np.array([np.interp(grid, _curve_arrays(run)[0], _curve_arrays(run)[2])
+                        for run in runs])  # fmt: skip
+    std = values.std(axis=0, ddof=1) if len(runs) > 1 else np.zeros(len(grid))
+    return Aggregate(label, grid, runs, values.mean(axis=0), std, samples.mean(axis=0), summaries)
+
+
+def load_aggregates(results: dict, step: float) -> dict[str, Aggregate]:
+    out = {}
+    for name, entry in results.items():
+        seeds = sorted(entry["runs"], key=int)
+        runs = [[Point(*p) for p in entry["runs"][s]["curve"]] for s in seeds]
+        summaries = [entry["runs"][s] for s in seeds]
+        out[name] = aggregate(entry["label"], runs, summaries, step)
+    return out
+
+
+def _curve_arrays(run: list[Point]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    minutes = np.array([p.minutes for p in run])
+    return minutes, np.array([p.pass_at_1 for p in run]), np.array([p.samples for p in run])
+
+
+def _first_crossing(x: np.ndarray, y: np.ndarray, target: float) -> float | None:
+    above = np.nonzero(y >= target)[0]
+    if len(above) == 0:
+        return None
+    i = int(above[0])
+    if i == 0:
+        return float(x[0])
+    return float(x[i - 1] + (target - y[i - 1]) / (y[i] - y[i - 1]) * (x[i] - x[i - 1]))
+
+
+def _std(values: list[float]) -> float:
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def merge_results(directories: list[Path]) -> dict:
+    results: dict = {}
+    for directory in directories:
+        for name, entry in json.loads((directory / "results.json").read_text()).items():
+            results.setdefault(name, {"label": entry["label"], "runs": {}})["runs"] |= entry["runs"]
+    return results
+
+
+# ------------------------------------------------------------------------------- reporting
+
+
+def minutes_text(value: float | None, budget: float) -> str:
+    return f"{value:.1f}" if value is not None else f"> {budget:g}"
+
+
+def seeds_text(values: list[float | None], budget: float) -> str:
+    return ", ".join(minutes_text(v, budget) for v in values)
+
+
+def print_table(aggregates: dict[str, Aggregate], args: argparse.Namespace) -> None:
+    """The standard table: time to target (mean curve, then each seed), pass@1 at the end
+    (mean ± std over seeds), gain over the base, the lowest point along the way, throughput."""
+    any_run = next(iter(aggregates.values()))
+    print(f"\n{len(any_run.runs)} seed(s) per method, {args.minutes:g} min per run, "
+          f"{args.num_eval} held-out problems, target {args.target:.3f}, base "
+          f"{any_run.base:.3f}")  # fmt: skip
+    print("| method | minutes to target (mean curve; per seed) | pass@1 at end | gain | "
+          "lowest along the way | samples/s | steps | staleness (steps) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for agg in aggregates.values():
+        mean, std = agg.final()
+        print(
+            f"| {agg.label} | {minutes_text(agg.minutes_to(args.target), args.minutes)}; "
+            f"{seeds_text(agg.seed_minutes_to(args.target), args.minutes)} | "
+            f"{mean:.1%} ± {std:.1%} | {mean - agg.base:+.1%} | {agg.lowest():+.1%} | "
+            f"{agg.mean_of('samples_per_s'):.0f} | {agg.mean_of('steps'):.0f} | "
+            f"{agg.mean_of('staleness_steps_mean'):.1f} |"
+        )
+
+
+def plot(aggregates: dict[str, Aggregate], target: float, path: Path, title: str = "") -> None:
+    """Mean pass@1 with a band of ± one standard deviation over seeds, against wall-clock minutes
+    (left) and against fresh samples consumed (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = plt.cm.tab20.colors if len(curves) > 10 else plt.cm.tab10.colors
-    for (name, curve), color in zip(curves.items(), colors):
-        minutes, _, scores = zip(*curve)
-        ax.plot(minutes, scores, marker="o", markersize=3, label=name, color=color)
-    ax.axhline(target, color="grey", linestyle=":", label="target")
-    ax.set_xlabel("wall-clock minutes of training")
-    ax.set_ylabel("held-out greedy pass@1")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colors = plt.cm.tab20.colors if len(aggregates) > 10 else plt.cm.tab10.colors
+    for agg, color in zip(aggregates.values(), colors):
+        for ax, x in ((by_time, agg.grid), (by_samples, agg.samples / 1000)):
+            ax.plot(x, agg.mean, marker="o", markersize=2.5, color=color, label=agg.label)
+            ax.fill_between(x, agg.mean - agg.std, agg.mean + agg.std, color=color, alpha=0.15)
+    for ax in (by_time, by_samples):
+        ax.axhline(target, color="grey", linestyle=":", label="target")
+        ax.grid(alpha=0.3)
+    by_time.set_xlabel("wall-clock minutes of training")
+    by_samples.set_xlabel("fresh samples consumed (thousands)")
+    by_time.set_ylabel("held-out greedy pass@1 (mean ± std over seeds)")
+    by_time.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def finish(results: dict, args: argparse.Namespace, title: str) -> dict[str, Aggregate]:
+    """Aggregate, plot to `args.out`, print the table; returns the aggregates."""
+    aggregates = load_aggregates(results, args.snapshot_minutes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(aggregates, args.target, args.out / "curves.png", title)
+    print_table(aggregates, args)
+    return aggregates

@@ -1,154 +1,112 @@
-"""TB against the baselines and TRL's GRPOTrainer on the embedded math task, like for like.
+"""TB against the baselines and TRL's GRPOTrainer on the embedded math task, over several seeds.
 
 Every run starts from the same base policy and spends the same generation budget per optimizer
-step (B = 8 prompts x K = 16 completions, up to 40 tokens, temperature 1); only the objective,
-the mode and the trainer differ. Runs save policy snapshots every `--snapshot-minutes` and are
-scored afterwards (greedy pass@1 on the held-out split), so evaluation costs no training time.
+step (B = 8 prompts x K = 16 completions, up to 40 tokens, temperature 1, unless a suite varies
+it); only what a suite compares differs. Runs save policy snapshots every `--snapshot-minutes`;
+all are scored afterwards on the same held-out problems, so evaluation costs no training time.
+The table gives, per method, the time to the target read from the mean curve over seeds (and
+each seed's own), pass@1 at the end (mean ± std), the gain over the base and the lowest point
+any seed reached along the way; the plot shows the mean curves with ± std bands against minutes
+and against fresh samples consumed.
 
-    python benchmarks/compare.py                      # the main table, 8 minutes per run
-    python benchmarks/compare.py --stress             # every objective asynchronous with k = 10
-    python benchmarks/compare.py --only tba-async,dr_grpo-sync --minutes 2
-    python benchmarks/compare.py --report runs/a runs/b --out runs/all   # one table from several
+Suites (`--suite`):
+    main      TBA (the default run), TB synchronous, Dr. GRPO and RLOO synchronous, TRL
+    stress    every objective asynchronous with k = 10 syncs between weight publishes
+    k         TB with and without its trust region at k = 1 and k = 2
+    m         TB at k = 10 with m = 0.5, 0.95 and 1 (the share of groups from fresh samples)
+    K         TB with K = 8, 16 and 32 responses per prompt at B * K = 128 samples per step
+    trl       TRL's GRPOTrainer alone (use --minutes 30 to see whether it reaches the target)
 
-TRL needs the benchmark extra (`pip install -e ".[bench]"`); its learning rate is swept
-(`--trl-lrs`) and every point of the sweep is reported, the best one in the main table.
+    python benchmarks/compare.py --suite stress                 # 5 methods x 3 seeds x 5 min
+    python benchmarks/compare.py --suite k --seeds 1 --minutes 2
+    python benchmarks/compare.py --report runs/compare_stress runs/compare_k --out runs/all
+
+A restarted invocation with the same --out skips the runs it already finished. TRL needs the
+benchmark extra (`pip install -e ".[bench]"`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-from common import Curve, minutes_to, pass_at_1_curve, plot_curves, run_logged, run_tba
+from common import Method, add_common_arguments, finish, merge_results, run_logged, run_suite
 
 from tba.quiet import quiet_libraries
 
-LOSSES = {
-    "tb": "TBA",
-    "dr_grpo": "Dr. GRPO",
-    "grpo": "GRPO",
-    "rloo": "RLOO",
-    "proximal_rloo": "Proximal RLOO",
-    "online_dpo": "Online DPO",
-}
 ASYNC = ["train.mode=async", "searchers.count=1"]
 SYNC = ["train.mode=sync", "searchers.count=0"]
+PLAIN_TB = ["train.loss=tb", "train.trust_region=none"]
 
 
-def methods(stress: bool) -> dict[str, tuple[str, list[str]]]:
-    """run name -> (label, overrides)."""
-    if stress:
-        return {
-            f"{loss}-async-k10": (f"{label} async, k = 10", [*ASYNC, f"train.loss={loss}",
-                                                             "train.sync_every=10"])
-            for loss, label in LOSSES.items()
-        }  # fmt: skip
-    table = {"tb-async": ("TBA async", [*ASYNC, "train.loss=tb"])}
-    for loss, label in LOSSES.items():
-        table[f"{loss}-sync"] = (f"{label} sync", [*SYNC, f"train.loss={loss}"])
-    for loss in ("dr_grpo", "online_dpo"):
-        table[f"{loss}-async"] = (f"{LOSSES[loss]} async", [*ASYNC, f"train.loss={loss}"])
-    return table
+def trl_method(learning_rate: float) -> Method:
+    def run(run_dir: Path, seed: int, args: argparse.Namespace) -> None:
+        command = [
+            sys.executable, str(Path(__file__).parent / "trl_grpo.py"), "--out", str(run_dir),
+            "--minutes", str(args.minutes), "--learning-rate", str(learning_rate),
+            "--snapshot-minutes", str(args.snapshot_minutes), "--seed", str(seed),
+            f"policy.model={args.base}", *args.overrides,
+        ]  # fmt: skip
+        run_logged(command, run_dir)
+
+    return Method(f"TRL GRPOTrainer, lr {learning_rate:g}", runner=run)
 
 
-def run_trl(run_dir: Path, learning_rate: float, args: argparse.Namespace) -> None:
-    command = [
-        sys.executable, str(Path(__file__).parent / "trl_grpo.py"), "--out", str(run_dir),
-        "--minutes", str(args.minutes), "--learning-rate", str(learning_rate),
-        "--snapshot-minutes", str(args.snapshot_minutes), "--seed", str(args.seed),
-        f"task.num_eval={args.num_eval}",
-    ]  # fmt: skip
-    run_logged(command, run_dir)
-
-
-def summarize(label: str, run_dir: Path, curve: Curve, target: float) -> dict:
-    summary = json.loads((run_dir / "eval.json").read_text())
+def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
+    k10 = [*ASYNC, "train.sync_every=10"]
+    prox = [*k10, "train.loss=proximal_rloo"]
     return {
-        "label": label,
-        "curve": curve,
-        "minutes_to_target": minutes_to(target, curve),
-        "final_pass@1": curve[-1][2],
-        "samples_per_s": summary["samples_per_s"],
-        "steps": summary["steps"],
+        "main": {
+            "tba": Method("TBA (tba train defaults)"),
+            "tb-sync": Method("TB sync", SYNC),
+            "dr_grpo-sync": Method("Dr. GRPO sync", [*SYNC, "train.loss=dr_grpo"]),
+            "rloo-sync": Method("RLOO sync", [*SYNC, "train.loss=rloo"]),
+            "trl": trl_method(args.trl_lr),
+        },
+        "stress": {
+            "tb-k10": Method("TB + trust region, k = 10", k10),
+            "tb-plain-k10": Method("TB plain (paper), k = 10", [*k10, *PLAIN_TB]),
+            "proximal_rloo-k10": Method("Proximal RLOO, k = 10", prox),
+            "dr_grpo-k10": Method("Dr. GRPO, k = 10", [*k10, "train.loss=dr_grpo"]),
+            "rloo-k10": Method("RLOO, k = 10", [*k10, "train.loss=rloo"]),
+        },
+        "k": {
+            f"tb{variant}-k{k}": Method(f"TB {label}, k = {k}", [*ASYNC, f"train.sync_every={k}",
+                                                                 *extra])
+            for k in (1, 2)
+            for variant, label, extra in (("", "+ trust region", []), ("-plain", "plain", PLAIN_TB))
+        },  # fmt: skip
+        "m": {
+            f"tb-k10-m{m}": Method(f"TB, k = 10, m = {m}", [*k10, f"buffer.recent_prob={m}"])
+            for m in (0.5, 0.95, 1.0)
+        },
+        "K": {
+            f"tb-K{k}": Method(f"TB, B = {128 // k} x K = {k}", [f"train.group_size={k}",
+                                                              f"train.num_prompts={128 // k}"])
+            for k in (8, 16, 32)
+        },  # fmt: skip
+        "trl": {"trl": trl_method(args.trl_lr)},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=8.0, help="training budget per run")
-    parser.add_argument("--target", type=float, default=0.55, help="held-out pass@1 target")
-    parser.add_argument("--snapshot-minutes", type=float, default=0.5)
-    parser.add_argument("--num-eval", type=int, default=512, help="held-out problems")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stress", action="store_true", help="every objective async, k = 10")
-    parser.add_argument("--only", help="comma-separated run names (default: all)")
-    parser.add_argument("--trl-lrs", default="1e-5,5e-5,2e-4", help="TRL learning rates to try")
-    parser.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer")
-    parser.add_argument("--out", type=Path, default=Path("runs/compare"))
-    parser.add_argument("--report", type=Path, nargs="+", metavar="DIR",
-                        help="run nothing: merge the results.json of earlier invocations into one "
-                        "table and plot (written to --out)")  # fmt: skip
+    add_common_arguments(parser, minutes=5.0, out="runs/compare")
+    parser.add_argument("--suite", default="main", choices=["main", "stress", "k", "m", "K", "trl"])
+    parser.add_argument("--trl-lr", type=float, default=5e-5, help="TRL's learning rate")
     args = parser.parse_args()
-    if args.report:
-        report(args)
-        return
-    if args.out.exists():
-        parser.error(f"{args.out} exists; choose another --out")
     torch.set_num_threads(2)
     quiet_libraries()
-
-    runs = methods(args.stress)
-    if not args.stress and not args.no_trl:
-        for lr in args.trl_lrs.split(","):
-            runs[f"trl-grpo-lr{lr}"] = (f"TRL GRPOTrainer, lr {lr}", [])
+    if args.report:
+        finish(merge_results(args.report), args, "comparison")
+        return
+    methods = suites(args)[args.suite]
     if args.only:
-        runs = {name: runs[name] for name in args.only.split(",")}
-    results = {}
-    for name, (label, overrides) in runs.items():
-        run_dir = args.out / name
-        if name.startswith("trl-"):
-            run_trl(run_dir, float(name.removeprefix("trl-grpo-lr")), args)
-        else:
-            run_tba(run_dir, [*overrides, f"task.num_eval={args.num_eval}", f"seed={args.seed}"],
-                    args.minutes, args.snapshot_minutes)  # fmt: skip
-        results[name] = summarize(label, run_dir, pass_at_1_curve(run_dir), args.target)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    plot_curves(
-        {r["label"]: r["curve"] for r in results.values()}, args.target, args.out / "compare.png"
-    )
-    print_table(results, args)
-
-
-def report(args: argparse.Namespace) -> None:
-    """One table and plot from several invocations (same --minutes, --target and --num-eval)."""
-    results = {}
-    for directory in args.report:
-        results |= json.loads((directory / "results.json").read_text())
-    results = dict(sorted(results.items(), key=lambda kv: -kv[1]["final_pass@1"]))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    plot_curves(
-        {r["label"]: r["curve"] for r in results.values()}, args.target, args.out / "compare.png"
-    )
-    print_table(results, args)
-
-
-def print_table(results: dict, args: argparse.Namespace) -> None:
-    def minutes(value: float | None) -> str:
-        return f"{value:.1f}" if value is not None else f"> {args.minutes:g}"
-
-    print(f"\ntarget pass@1 {args.target:.3f}, {args.minutes:g} min per run, "
-          f"{args.num_eval} held-out problems")  # fmt: skip
-    print("| method | minutes to target | pass@1 at end | samples/s | steps |")
-    print("|---|---|---|---|---|")
-    for r in results.values():
-        print(
-            f"| {r['label']} | {minutes(r['minutes_to_target'])} | {r['final_pass@1']:.3f} | "
-            f"{r['samples_per_s']:.0f} | {r['steps']} |"
-        )
+        methods = {name: methods[name] for name in args.only.split(",")}
+    results = run_suite(methods, args)
+    finish({name: results[name] for name in methods}, args, f"suite: {args.suite}")
 
 
 if __name__ == "__main__":

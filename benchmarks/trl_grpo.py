@@ -47,9 +47,10 @@ no reward, which TRL leaves out of the group baseline with advantage 0, and
 to reward functions, ending with EOS when it finished, which is what the wrapper checks.
 
 Outputs in --out (which must not exist yet): config.yaml (the resolved `tba` config, for the
-evaluation code), metrics.jsonl (one line per snapshot: step, seconds of training, file),
-snapshots/step000000.safetensors and so on, trl_log.jsonl (TRL's per-step logs), final/ (policy
-and tokenizer) and eval.json (steps, minutes, learning rate, completions generated per second).
+evaluation code), metrics.jsonl (one line per snapshot: step, seconds of training, completions
+so far, file), snapshots/step000000.safetensors and so on, trl_log.jsonl (TRL's per-step logs),
+final/ (policy and tokenizer) and eval.json (steps, minutes, learning rate, completions generated
+per second).
 """
 
 from __future__ import annotations
@@ -241,14 +242,21 @@ class TimeBudget(TrainerCallback):
 
 class Snapshots(TrainerCallback):
     """Saves the policy weights every `every_seconds` of training time, in the project's format
-    (safetensors of numpy arrays plus one metrics.jsonl line each), to be scored afterwards."""
+    (safetensors of numpy arrays plus one metrics.jsonl line each, with the completions generated
+    so far), to be scored afterwards."""
 
     def __init__(
-        self, run_dir: Path, model: PreTrainedModel, clock: TimeBudget, every_seconds: float
+        self,
+        run_dir: Path,
+        model: PreTrainedModel,
+        clock: TimeBudget,
+        every_seconds: float,
+        counter: CompletionCounter,
     ) -> None:
         self.run_dir = run_dir
         self.model = model
         self.clock = clock
+        self.counter = counter
         self.every = every_seconds
         self.next_due = every_seconds
         self.last_step: int | None = None
@@ -256,7 +264,8 @@ class Snapshots(TrainerCallback):
 
     def save(self, step: int, seconds: float) -> None:
         path = save_snapshot(self.run_dir, get_weights(self.model), step)
-        self.metrics.write({"step": step, "time": seconds, "snapshot": path})
+        record = {"step": step, "time": seconds, "samples": self.counter.count, "snapshot": path}
+        self.metrics.write(record)
         self.last_step = step
 
     def on_step_end(
@@ -350,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     counter = CompletionCounter()
     trainer = make_trainer(config, task, policy_dir, run_dir, counter)
     clock = TimeBudget(args.minutes * 60)
-    snapshots = Snapshots(run_dir, trainer.model, clock, args.snapshot_minutes * 60)
+    snapshots = Snapshots(run_dir, trainer.model, clock, args.snapshot_minutes * 60, counter)
     snapshots.save(0, 0.0)  # the base policy, scored like every later snapshot
     # The clock's callbacks run first, so snapshots read the time at which it stopped training.
     trainer.add_callback(clock)

@@ -131,8 +131,12 @@ def test_killed_searcher_is_restarted_and_the_run_completes(tmp_path):
         tmp_path, "train.mode=async", "searchers.count=2", "train.max_steps=100000",
         "train.max_minutes=0.4",
     )  # fmt: skip
-    wait_for(lambda: len(steps(run_dir)) >= 3 or process.poll() is not None)
-    (victim,) = [e for e in events(run_dir) if e["event"] == "searcher_ready" and e["searcher"]]
+    def second_searcher() -> list[dict]:
+        return [e for e in events(run_dir) if e["event"] == "searcher_ready" and e["searcher"]]
+
+    wait_for(lambda: (second_searcher() and len(steps(run_dir)) >= 3) or process.poll() is not None)
+    assert process.poll() is None, finish(process)
+    (victim,) = second_searcher()
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at_step = len(steps(run_dir))
     output = finish(process)
@@ -177,8 +181,13 @@ def test_a_searcher_that_stops_answering_fails_the_run_with_a_clear_error(tmp_pa
         tmp_path, "train.mode=async", "searchers.count=1", "train.max_steps=100000",
         "train.max_minutes=10", "ray.sync_timeout_s=5",
     )  # fmt: skip
-    wait_for(lambda: len(steps(run_dir)) >= 3 or process.poll() is not None)
-    (searcher,) = [e for e in events(run_dir) if e["event"] == "searcher_ready"]
+    def ready() -> list[dict]:
+        return [e for e in events(run_dir) if e["event"] == "searcher_ready"]
+
+    # Up (it answered) and the trainer stepping: from now on only an answer can be late.
+    wait_for(lambda: (ready() and len(steps(run_dir)) >= 3) or process.poll() is not None)
+    assert process.poll() is None, finish(process)
+    (searcher,) = ready()
     os.kill(searcher["pid"], signal.SIGSTOP)  # alive, but frozen: no answer, no death
     output = finish(process, timeout=120)
     assert process.returncode == 1, output

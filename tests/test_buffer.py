@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from tba.buffer import ReplayBuffer, Sample, batch_staleness
+from tba.buffer import ReplayBuffer, Sample
 
 _counter = itertools.count()
 
@@ -45,17 +45,10 @@ def inclusion_probs(rewards: list[float], k: int, weight: float, temp: float) ->
 
 
 def sample_one_prompt(rewards, weight, temp, num_groups=4000, k=2, seed=0):
-    buf = ReplayBuffer(100)
+    buf = ReplayBuffer(100, recent_prob=0.0, reward_weight=weight, reward_temperature=temp)
     samples = [make(0, 0, r) for r in rewards]
     buf.add(samples)
-    groups = buf.sample(
-        num_groups,
-        k,
-        np.random.default_rng(seed),
-        recent_prob=0.0,
-        reward_weight=weight,
-        reward_temperature=temp,
-    )
+    groups = buf.sample(num_groups, k, np.random.default_rng(seed)).groups
     index = {tag(s): i for i, s in enumerate(samples)}
     return [[index[tag(s)] for s in g] for g in groups]
 
@@ -65,21 +58,14 @@ def sample_one_prompt(rewards, weight, temp, num_groups=4000, k=2, seed=0):
 
 @pytest.mark.parametrize("recent_prob", [0.0, 0.3, 0.95, 1.0])
 def test_recent_fraction_matches_recent_prob(recent_prob):
-    # One prompt has exactly K=2 latest-version samples plus 20 old ones; 50 prompts are old.
-    # A group counts as recent when all its samples are latest-version; replay only yields that
-    # by picking the recent prompt (1/51) and both latest samples (1/C(22, 2)).
-    buf = ReplayBuffer(10_000)
-    buf.add([make(0, 0) for _ in range(20)] + [make(0, 1), make(0, 1)])
-    buf.add([make(p, 0) for p in range(1, 51) for _ in range(4)])
-    rng = np.random.default_rng(123)
-    n = 4000
-    recent = sum(
-        all(s.version == 1 for s in buf.sample(1, 2, rng, recent_prob=recent_prob)[0])
-        for _ in range(n)
-    )
-    p = recent_prob + (1 - recent_prob) / (51 * math.comb(22, 2))
-    tol = 4 * math.sqrt(n * p * (1 - p)) + 2
-    assert abs(recent - n * p) <= tol
+    # 3000 fresh prompts never run out in a batch of 2000 groups: each group is fresh with
+    # probability m, and a replay group drawn from a fresh prompt still counts as replay.
+    buf = ReplayBuffer(10_000, recent_prob=recent_prob)
+    buf.add([make(p, 0) for p in range(3000) for _ in range(2)])
+    n = 2000
+    fresh = buf.sample(n, 2, np.random.default_rng(123)).fresh
+    tol = 4 * math.sqrt(n * recent_prob * (1 - recent_prob)) + 1
+    assert abs(fresh - n * recent_prob) <= tol
 
 
 # ---------------------------------------------------------------------------- replay mixture
@@ -126,52 +112,89 @@ def test_replay_softmax_is_numerically_stable():
 # ----------------------------------------------------------------------------- recent branch
 
 
-def test_recent_group_is_k_newest_latest_version_samples():
+def test_recent_group_is_k_newest_fresh_samples_then_the_next_newest():
     buf = ReplayBuffer(1000)
     old = [make(0, 1) for _ in range(3)]
     latest = [make(0, 3) for _ in range(5)]
+    middle = make(0, 2)
     # Interleave versions so insertion order and version order disagree.
-    buf.add([latest[0], old[0], latest[1], make(0, 2), latest[2], old[1], latest[3], latest[4]])
+    buf.add([latest[0], old[0], latest[1], middle, latest[2], old[1], latest[3], latest[4]])
     buf.add([make(1, 2) for _ in range(6)])
     rng = np.random.default_rng(0)
-    for _ in range(20):
-        (group,) = buf.sample(1, 3, rng, recent_prob=1.0)
-        assert [tag(s) for s in group] == [tag(s) for s in latest[:1:-1]]
+    (group,) = buf.sample(1, 3, rng).groups
+    assert [tag(s) for s in group] == [tag(s) for s in latest[:1:-1]]
+    # Those are trained on now: the next recent group takes the next newest fresh samples.
+    (group,) = buf.sample(1, 3, rng).groups
+    assert [tag(s) for s in group] == [tag(latest[1]), tag(latest[0]), tag(middle)]
 
 
 def test_recent_group_fills_with_newest_older_samples():
     buf = ReplayBuffer(1000)
     a, b, c, d = make(0, 1), make(0, 2), make(0, 1), make(0, 3)
     buf.add([a, b, c, d])
-    (group,) = buf.sample(1, 3, np.random.default_rng(0), recent_prob=1.0)
+    (group,) = buf.sample(1, 3, np.random.default_rng(0)).groups
     assert [tag(s) for s in group] == [tag(d), tag(b), tag(c)]
 
 
-def test_recent_prefers_prompts_with_k_latest_samples():
+def test_recent_prefers_prompts_whose_group_is_most_on_policy():
     buf = ReplayBuffer(1000)
-    buf.add([make(0, 5)] + [make(0, 4) for _ in range(5)])  # 1 latest sample
-    buf.add([make(1, 5) for _ in range(3)])  # 3 latest samples
-    rng = np.random.default_rng(0)
-    for _ in range(30):
-        first, second = buf.sample(2, 3, rng, recent_prob=1.0)
+    buf.add([make(0, 5)] + [make(0, 4) for _ in range(5)])  # its group: v5, v4, v4
+    buf.add([make(1, 5) for _ in range(3)])  # its group: v5, v5, v5
+    for seed in range(10):
+        state = buf.state_dict()
+        first, second = buf.sample(2, 3, np.random.default_rng(seed)).groups
         assert all(s.prompt_id == 1 and s.version == 5 for s in first)
-        assert {s.prompt_id for s in second} == {0}
+        assert [s.version for s in second] == [5, 4, 4] and second[0].prompt_id == 0
+        buf.load_state_dict(state)
 
 
-def test_recent_branch_moves_to_older_versions_once_latest_prompts_are_used():
+def test_recent_prompts_are_cycled_without_replacement_across_steps():
     buf = ReplayBuffer(1000)
     buf.add([make(p, 1) for p in range(4) for _ in range(3)])
     buf.add([make(p, 2) for p in range(4, 8) for _ in range(3)])
     buf.add([make(9, 3) for _ in range(3)])  # the only prompt of the latest version
     rng = np.random.default_rng(0)
-    for _ in range(30):
-        groups = buf.sample(5, 3, rng, recent_prob=1.0)
-        assert {s.prompt_id for s in groups[0]} == {9}
-        # Then the freshest prompts (version 2), each once, before any of version 1.
-        assert sorted(g[0].prompt_id for g in groups[1:]) == [4, 5, 6, 7]
-        # Then version 1.
-        rest = buf.sample(7, 3, rng, recent_prob=1.0)[5:]
-        assert len({g[0].prompt_id for g in rest}) == 2 and all(g[0].prompt_id < 4 for g in rest)
+    assert buf.fresh_prompts(3) == 9
+    batch = buf.sample(5, 3, rng)
+    assert {s.prompt_id for s in batch.groups[0]} == {9}
+    # Then the freshest prompts (version 2), each once, before any of version 1.
+    assert sorted(g[0].prompt_id for g in batch.groups[1:]) == [4, 5, 6, 7]
+    assert (batch.fresh, batch.reused, batch.repeated) == (5, 0, 0)
+    # Next step: version 1's prompts, never trained on, rather than version 3's again.
+    batch = buf.sample(4, 3, rng)
+    assert sorted(g[0].prompt_id for g in batch.groups) == [0, 1, 2, 3]
+    assert batch.fresh == 4 and buf.fresh_prompts(3) == 0
+    # Nothing fresh is left: replay groups, every sample trained on before.
+    batch = buf.sample(4, 3, rng)
+    assert (batch.fresh, batch.reused) == (0, 4)
+
+
+def test_a_batch_is_never_trained_twice_when_no_new_data_arrives():
+    # One prompt per group, K samples each: with m = 1 the old sampler returned the same batch
+    # again; now the recent branch has nothing fresh and replay is counted as such.
+    buf = ReplayBuffer(1000)
+    buf.add([make(p, 1) for p in range(2) for _ in range(2)])
+    rng = np.random.default_rng(0)
+    first = buf.sample(2, 2, rng)
+    assert (first.fresh, first.repeated) == (2, 0)
+    again = buf.sample(2, 2, rng)
+    assert again.fresh == 0 and again.reused == 2 and again.repeated == 2  # counted, not hidden
+    buf.add([make(p, 2) for p in range(2) for _ in range(2)])
+    fresh = buf.sample(2, 2, rng)
+    assert fresh.fresh == 2 and fresh.repeated == 0
+    assert all(s.version == 2 for g in fresh.groups for s in g)
+
+
+def test_a_prompt_with_fewer_than_k_fresh_samples_left_is_not_fresh():
+    # S = 4 samples per visit, K = 3: the one left over is for replay, not a mostly-reused group.
+    buf = ReplayBuffer(1000)
+    buf.add([make(0, 1) for _ in range(4)])
+    rng = np.random.default_rng(0)
+    assert buf.sample(1, 3, rng).fresh == 1
+    assert buf.fresh_prompts(3) == 0 and buf.sample(1, 3, rng).fresh == 0
+    # A first visit that lost samples (all of them fresh) still makes a fresh group.
+    buf.add([make(1, 2), make(1, 2)])
+    assert buf.fresh_prompts(3) == 1
 
 
 def test_evict_older_than_enforces_a_staleness_bound():
@@ -243,15 +266,16 @@ def test_prompt_with_fewer_than_k_samples_is_filled(recent_prob):
     buf = ReplayBuffer(100)
     samples = [make(0, 0), make(0, 1), make(0, 1)]
     buf.add(samples)
-    for group in buf.sample(50, 5, np.random.default_rng(1), recent_prob=recent_prob):
+    buf.recent_prob = recent_prob
+    for group in buf.sample(50, 5, np.random.default_rng(1)).groups:
         assert len(group) == 5
         assert {tag(s) for s in group} == {tag(s) for s in samples}
 
 
 def test_replay_prefers_prompts_with_k_samples():
-    buf = ReplayBuffer(100)
+    buf = ReplayBuffer(100, recent_prob=0.0)
     buf.add([make(0, 0) for _ in range(2)] + [make(1, 0) for _ in range(3)])
-    groups = buf.sample(20, 3, np.random.default_rng(0), recent_prob=0.0)
+    groups = buf.sample(20, 3, np.random.default_rng(0)).groups
     assert {s.prompt_id for s in groups[0]} == {1}
     # More groups than prompts: prompt 0 once, and the repeats from the preferred prompt.
     assert sum(g[0].prompt_id == 0 for g in groups) == 1
@@ -261,26 +285,28 @@ def test_recent_prob_one_without_usable_latest_samples_falls_back_to_replay():
     buf = ReplayBuffer(100)
     buf.add([make(0, 0) for _ in range(4)])
     buf.add([make(1, 1)])  # only latest-version sample is a lone one
-    for group in buf.sample(20, 2, np.random.default_rng(0), recent_prob=1.0):
+    for group in buf.sample(20, 2, np.random.default_rng(0)).groups:
         assert len({tag(s) for s in group}) == 2
         assert all(s.prompt_id == 0 for s in group)
 
 
 def test_single_sample_prompts_only_when_nothing_better():
-    buf = ReplayBuffer(100)
+    buf = ReplayBuffer(100, recent_prob=0.5)
     buf.add([make(0, 0), make(1, 1)])
-    for group in buf.sample(4, 3, np.random.default_rng(0), recent_prob=0.5):
+    for group in buf.sample(4, 3, np.random.default_rng(0)).groups:
         assert len(group) == 3 and len({tag(s) for s in group}) == 1
 
 
 def test_empty_buffer_raises():
     with pytest.raises(ValueError, match="empty"):
-        ReplayBuffer(10).sample(1, 2, np.random.default_rng(0), recent_prob=0.5)
+        ReplayBuffer(10).sample(1, 2, np.random.default_rng(0))
 
 
 def test_groups_never_repeat_samples_when_distinct_available():
     rng = np.random.default_rng(5)
-    buf = ReplayBuffer(400, per_prompt_capacity=12)
+    buf = ReplayBuffer(
+        400, per_prompt_capacity=12, recent_prob=0.5, reward_weight=0.5, reward_temperature=0.5
+    )
     for version in range(6):
         buf.add(
             make(int(p), version, float(rng.normal()))
@@ -289,10 +315,7 @@ def test_groups_never_repeat_samples_when_distinct_available():
     sizes = {pid: len(es) for pid, es in buf.state_dict()["prompts"]}
     for k in (2, 4, 8):
         for _ in range(60):
-            groups = buf.sample(
-                8, k, rng, recent_prob=0.5, reward_weight=0.5, reward_temperature=0.5
-            )
-            for g in groups:
+            for g in buf.sample(8, k, rng).groups:
                 assert len(g) == k and len({s.prompt_id for s in g}) == 1
                 distinct = len({tag(s) for s in g})
                 assert distinct == min(k, sizes[g[0].prompt_id])
@@ -300,14 +323,14 @@ def test_groups_never_repeat_samples_when_distinct_available():
 
 
 def test_distinct_prompts_across_groups_of_a_batch():
-    buf = ReplayBuffer(1000)
+    buf = ReplayBuffer(1000, recent_prob=0.5)
     buf.add([make(p, 0) for p in range(10) for _ in range(4)])
     rng = np.random.default_rng(0)
     for _ in range(50):
-        groups = buf.sample(10, 2, rng, recent_prob=0.5)
+        groups = buf.sample(10, 2, rng).groups
         assert len({g[0].prompt_id for g in groups}) == 10
     # More groups than prompts: every prompt is used before any repeats.
-    assert len({g[0].prompt_id for g in buf.sample(13, 2, rng, recent_prob=0.5)}) == 10
+    assert len({g[0].prompt_id for g in buf.sample(13, 2, rng).groups}) == 10
 
 
 # -------------------------------------------------------------------------------- staleness
@@ -323,28 +346,26 @@ def test_staleness_statistics():
     assert ReplayBuffer(5).staleness(3) == {"mean": 0.0, "max": 0.0, "hist": {}}
 
 
-def test_batch_staleness():
-    groups = [[make(0, 4), make(0, 4)], [make(1, 1), make(1, 2)]]
-    assert batch_staleness(groups, 5) == {"mean": pytest.approx(2.25), "max": 4.0}
-
-
 # ------------------------------------------------------------------------------- persistence
 
 
 @pytest.mark.parametrize("name", ["buffer.json", "buffer.json.gz"])
 def test_save_load_round_trip(tmp_path, name):
     rng = np.random.default_rng(3)
-    buf = ReplayBuffer(60, per_prompt_capacity=9)
+    sampling = {"recent_prob": 0.4, "reward_weight": 0.7}
+    buf = ReplayBuffer(60, per_prompt_capacity=9, **sampling)
     for version in range(5):
         batch = [make(int(p), version, float(rng.normal())) for p in rng.integers(0, 12, size=25)]
         batch[0].reward_parts = {"format": 0.5, "answer": 1.0}
         batch[1].truncated = True
         batch[2].created_at = 1712345678.123
         buf.add(batch)
+    buf.sample(3, 3, np.random.default_rng(1))  # some samples trained on, a previous batch
     path = tmp_path / name
     buf.save(path)
-    loaded = ReplayBuffer.load(path)
+    loaded = ReplayBuffer.load(path, **sampling)
     assert loaded.state_dict() == buf.state_dict()
+    assert loaded.state_dict()["fresh"] and loaded.state_dict()["last_batch"]
     assert (len(loaded), loaded.num_prompts, loaded.latest_version) == (
         len(buf),
         buf.num_prompts,
@@ -352,15 +373,17 @@ def test_save_load_round_trip(tmp_path, name):
     )
     assert loaded.staleness(6) == buf.staleness(6)
 
-    def draw(b: ReplayBuffer) -> list[list[dict]]:
-        groups = b.sample(6, 3, np.random.default_rng(11), recent_prob=0.4, reward_weight=0.7)
-        return [[s.to_dict() for s in g] for g in groups]
+    def draw(b: ReplayBuffer) -> tuple:
+        batch = b.sample(6, 3, np.random.default_rng(11))
+        groups = [[s.to_dict() for s in g] for g in batch.groups]
+        return groups, batch.fresh, batch.reused, batch.repeated
 
     assert draw(loaded) == draw(buf)
     # Both keep evolving identically after the round trip.
     extra = [make(int(p), 5) for p in range(15)]
     assert loaded.add([Sample.from_dict(s.to_dict()) for s in extra]) == buf.add(extra)
     assert draw(loaded) == draw(buf)
+    assert loaded.state_dict() == buf.state_dict()
 
 
 def test_sample_dict_round_trip():
@@ -387,12 +410,12 @@ def test_sample_dict_round_trip():
     ],
 )
 def test_bad_sampling_arguments_raise(kwargs, name):
-    buf = ReplayBuffer(10)
-    buf.add([make(0, 0), make(0, 0)])
-    args = {"num_groups": 1, "group_size": 2, "recent_prob": 0.5} | kwargs
+    args = {"num_groups": 1, "group_size": 2} | kwargs
     num_groups, group_size = args.pop("num_groups"), args.pop("group_size")
     with pytest.raises(ValueError, match=name):
-        buf.sample(num_groups, group_size, np.random.default_rng(0), **args)
+        buf = ReplayBuffer(10, **args)
+        buf.add([make(0, 0), make(0, 0)])
+        buf.sample(num_groups, group_size, np.random.default_rng(0))
 
 
 @pytest.mark.parametrize(

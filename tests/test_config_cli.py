@@ -313,6 +313,14 @@ def _leaf_fields(model: type[BaseModel], prefix: str = ""):
             yield f"{prefix}{name}", field.default
 
 
+def test_config_reference_lists_every_setting(capsys):
+    assert main(["config", "--reference"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    keys = [key for key, _ in _leaf_fields(RunConfig)]
+    assert [row.split("`")[1] for row in rows] == keys
+    assert all(row.count("|") == 4 and not row.endswith("|  |") for row in rows)
+
+
 def test_readme_documents_every_setting_with_its_default():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for key, default in _leaf_fields(RunConfig):

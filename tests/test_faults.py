@@ -176,7 +176,7 @@ def test_a_non_finite_loss_skips_the_update(tiny_model, tokenizer):
     prompt = tokenizer("Q\n")["input_ids"]
     group = [
         Sample(0, prompt, tokenizer(t, add_special_tokens=False)["input_ids"], reward=1.0,
-               ref_logp=ref, behaviour_logp=-1.0, version=0)
+               ref_logp=ref, behaviour_logp=-1.0, behaviour_token_logps=[-1.0], version=0)
         for t, ref in [("1", -1.0), ("2", -math.inf)]
     ]  # fmt: skip
     trainer = Trainer(tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0,

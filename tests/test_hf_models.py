@@ -392,10 +392,11 @@ def test_bf16_weights_cross_as_int16_bits_without_loss(model_dirs):
 def group_of(tokenizer, prompt_id: int, text: str, rewards: list[float]) -> list[Sample]:
     prompt = tokenizer(text)["input_ids"]
     answers = ["#### 1", "#### 22", "#### 3", "#### 45"]
+    responses = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers]
     return [
-        Sample(prompt_id, prompt, tokenizer(a, add_special_tokens=False)["input_ids"], reward=r,
-               ref_logp=-4.0 - i, behaviour_logp=-4.0, version=0)
-        for i, (a, r) in enumerate(zip(answers, rewards))
+        Sample(prompt_id, prompt, response, reward=r, ref_logp=-4.0 - i, behaviour_logp=-4.0,
+               behaviour_token_logps=[-4.0 / len(response)] * len(response), version=0)
+        for i, (response, r) in enumerate(zip(responses, rewards))
     ]  # fmt: skip
 
 

@@ -1,13 +1,16 @@
-"""Tests for the VarGrad Trajectory Balance loss and the beta schedule."""
+"""Tests for the VarGrad Trajectory Balance loss (plain and with its trust region) and the beta
+schedule. The float64 references write the paper's loss in nats; `tb_loss` is that times beta/2."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tba.objectives import BetaSchedule, group_mean, tb_loss
+from tba.objectives import BetaSchedule, group_mean, tb_loss, tb_trust_region_loss
 
 BETA = 0.5
 GROUP_SIZES = {7: 3, 3: 5, 100: 2, 42: 4}
@@ -51,7 +54,7 @@ def test_matches_float64_loop_reference() -> None:
     batch = make_batch()
     loss, log_z = tb_loss(*batch, beta=BETA)
     ref_loss, ref_log_z, _ = reference(*batch, beta=BETA)
-    assert loss.item() == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert loss.item() == pytest.approx(BETA / 2 * ref_loss, rel=1e-5, abs=1e-6)
     assert torch.allclose(log_z.double(), f64(ref_log_z), rtol=1e-5, atol=1e-5)
     assert log_z.shape == batch[0].shape and not log_z.requires_grad
 
@@ -68,7 +71,8 @@ def test_logp_gradient_is_closed_form() -> None:
     loss, _ = tb_loss(logp, ref_logp, rewards, group_ids, beta=BETA)
     loss.backward()
     _, ref_log_z, delta = reference(logp.detach(), ref_logp, rewards, group_ids, beta=BETA)
-    expected = 2.0 / logp.numel() * (f64(ref_log_z) + f64(delta))
+    # In reward units: beta/2 times the paper's gradient 2/N (log Z_hat + delta).
+    expected = BETA / logp.numel() * (f64(ref_log_z) + f64(delta))
     assert torch.allclose(logp.grad, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -85,7 +89,7 @@ def test_parameter_gradient_through_linear_policy() -> None:
     grads = torch.autograd.grad(loss, params, retain_graph=True)
 
     delta = logp.detach() - ref_logp - rewards / BETA
-    weights = 2.0 / n * (log_z.double() + delta)
+    weights = BETA / n * (log_z.double() + delta)
     expected = [torch.zeros_like(p) for p in params]
     for i in range(n):
         per_sample = torch.autograd.grad(logp[i], params, retain_graph=True)
@@ -161,6 +165,108 @@ def test_computes_in_float32(dtype: torch.dtype) -> None:
         logp.to(dtype), ref_logp.to(dtype), rewards.to(dtype), group_ids, beta=BETA
     )
     assert loss.dtype == torch.float32 and log_z.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- trust region
+
+T_MAX = 5
+
+
+def make_token_batch(seed: int, on_policy: bool) -> tuple[Tensor, ...]:
+    """(token_logp (N, T) leaf, behaviour (N, T), mask (N, T), rewards, ref_logp, group_ids),
+    float64, random lengths >= 1, NaN in the padding (it must never leak into the loss)."""
+    gen = torch.Generator().manual_seed(seed)
+    _, ref_logp, rewards, group_ids = make_batch(seed)
+    n = group_ids.numel()
+    mask = torch.arange(T_MAX) < torch.randint(1, T_MAX + 1, (n, 1), generator=gen)
+    token_logp = -2.0 * torch.rand(n, T_MAX, generator=gen, dtype=torch.float64)
+    noise = 0.15 * torch.randn(n, T_MAX, generator=gen, dtype=torch.float64)
+    behaviour = token_logp.clone() if on_policy else token_logp + noise
+    token_logp = token_logp.masked_fill(~mask, math.nan).requires_grad_(True)
+    behaviour = behaviour.masked_fill(~mask, math.nan)
+    return token_logp, behaviour, mask, rewards, ref_logp, group_ids
+
+
+def reference_trust_region(
+    batch: tuple[Tensor, ...], level: str, eps: float
+) -> tuple[float, float]:
+    """(loss, clip_frac) by loops in float64: A_i = -beta (log Z_hat + delta_i), PPO-clipped."""
+    token_logp, behaviour, mask, rewards, ref_logp, group_ids = batch
+    n = group_ids.numel()
+    tokens = [[(token_logp[i, t].item(), behaviour[i, t].item()) for t in range(T_MAX)
+               if mask[i, t]] for i in range(n)]  # fmt: skip
+    logp = f64([sum(lp for lp, _ in row) for row in tokens])
+    _, log_z, delta = reference(logp, ref_logp, rewards, group_ids, beta=BETA)
+    advantage = [-BETA * (z + d) for z, d in zip(log_z, delta, strict=True)]
+
+    def clipped(rho: float, a: float) -> tuple[float, bool]:
+        low = min(rho * a, min(max(rho, 1 - eps), 1 + eps) * a)
+        return low, low < rho * a
+
+    total, n_clipped, n_units = 0.0, 0, 0
+    for row, a in zip(tokens, advantage, strict=True):
+        ratios = [math.exp(sum(lp - blp for lp, blp in row))] if level == "sequence" else [
+            math.exp(lp - blp) for lp, blp in row
+        ]
+        for rho in ratios:
+            value, was_clipped = clipped(rho, a)
+            total += value
+            n_clipped += was_clipped
+            n_units += 1
+    return -total / n, n_clipped / n_units
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_trust_region_matches_float64_loop_reference(level: str) -> None:
+    batch = make_token_batch(seed=11, on_policy=False)
+    loss, stats = tb_trust_region_loss(*batch, beta=BETA, clip_eps=0.1, level=level)
+    ref_loss, ref_clip_frac = reference_trust_region(batch, level, eps=0.1)
+    assert loss.dtype == torch.float32 and loss.requires_grad
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert 0.0 < ref_clip_frac < 1.0  # both branches are exercised
+    assert stats["clip_frac"].item() == pytest.approx(ref_clip_frac)
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_trust_region_on_policy_gives_the_plain_tb_gradient(level: str) -> None:
+    token_logp, behaviour, mask, rewards, ref_logp, group_ids = make_token_batch(12, True)
+    loss, stats = tb_trust_region_loss(
+        token_logp, behaviour, mask, rewards, ref_logp, group_ids, beta=BETA, level=level
+    )
+    loss.backward()
+    leaf = token_logp.detach().nan_to_num(0.0).requires_grad_(True)
+    plain, _ = tb_loss((leaf * mask).sum(dim=1), ref_logp, rewards, group_ids, beta=BETA)
+    plain.backward()
+    assert torch.allclose(token_logp.grad, leaf.grad * mask, rtol=1e-5, atol=1e-7)
+    assert token_logp.grad.abs().max() > 1e-3
+    assert stats["clip_frac"].item() == 0.0
+
+
+def test_sequences_pushed_out_of_the_band_get_no_gradient() -> None:
+    token_logp, behaviour, mask, rewards, ref_logp, group_ids = make_token_batch(13, True)
+    n = group_ids.numel()
+    pick = torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(14))
+    rho = f64([0.5, 0.9, 1.1, 1.5])[pick]
+    behaviour = behaviour.clone()
+    behaviour[:, 0] -= rho.log()  # the whole sequence log-ratio sits on the first token
+    loss, stats = tb_trust_region_loss(
+        token_logp, behaviour, mask, rewards, ref_logp, group_ids, beta=BETA, clip_eps=0.2
+    )
+    loss.backward()
+    logp = (token_logp.detach().nan_to_num(0.0) * mask).sum(dim=1)
+    _, log_z, delta = reference(logp, ref_logp, rewards, group_ids, beta=BETA)
+    advantage = -BETA * (f64(log_z) + f64(delta))
+    clipped = ((advantage > 0) & (rho > 1.2)) | ((advantage < 0) & (rho < 0.8))
+    assert clipped.any() and (~clipped & ((rho > 1.2) | (rho < 0.8))).any()
+    expected = torch.where(clipped, 0.0, -rho * advantage / n)[:, None] * mask
+    assert torch.allclose(token_logp.grad, expected, rtol=1e-5, atol=1e-7)
+    assert stats["clip_frac"].item() == pytest.approx(clipped.double().mean().item())
+
+
+def test_trust_region_level_is_checked() -> None:
+    batch = make_token_batch(seed=15, on_policy=True)
+    with pytest.raises(ValueError, match="level"):
+        tb_trust_region_loss(*batch, beta=BETA, level="batch")
 
 
 def test_beta_schedule_constant() -> None:

@@ -105,7 +105,7 @@ def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
     process = start(["train", *common, "train.max_steps=100000"])
     killed_at = kill_after_checkpoint(process, run_dir, timeout=240)
     checkpoint = latest_checkpoint(run_dir)
-    before = {(s.searcher_id, s.incarnation, s.seq) for s in _samples(checkpoint.buffer)}
+    before = {(s.searcher_id, s.incarnation, s.seq) for s in _samples(checkpoint.buffer_state)}
     assert before and checkpoint.step == killed_at
 
     # The resumed trainer waits for one fresh sample, so the new searcher's work shows.
@@ -114,7 +114,7 @@ def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
     summary = json.loads((run_dir / "eval.json").read_text())
     final = latest_checkpoint(run_dir)
     assert final.step == killed_at + 6 == summary["steps"]
-    after = [(s.searcher_id, s.incarnation, s.seq) for s in _samples(final.buffer)]
+    after = [(s.searcher_id, s.incarnation, s.seq) for s in _samples(final.buffer_state)]
     assert len(after) == len(set(after)), "a sample was merged twice"
     assert before <= set(after), "a sample merged before the checkpoint is missing"
     new_incarnations = {inc for _, inc, _ in set(after) - before}
@@ -127,8 +127,9 @@ def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
     assert summary["samples_discarded_in_flight"] > 0
 
 
-def _samples(buffer: ReplayBuffer) -> list[Sample]:
-    return [s for samples in buffer._prompts.values() for s in samples.values()]
+def _samples(buffer_state: dict) -> list[Sample]:
+    return [Sample.from_dict(sample) for _, entries in buffer_state["prompts"]
+            for _, sample in entries]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- bad resumes
@@ -173,7 +174,8 @@ def test_trainer_state_round_trips_exactly(tiny_model, tokenizer):
 
     prompt = tokenizer("Q\n")["input_ids"]
     group = [Sample(0, prompt, tokenizer(t, add_special_tokens=False)["input_ids"], reward=r,
-                    ref_logp=-2.0, behaviour_logp=-2.0, version=0)
+                    ref_logp=-2.0, behaviour_logp=-2.0, version=0,
+                    behaviour_token_logps=[-2.0 / len(t)] * len(t))
              for t, r in [("1", 1.0), ("22", 0.0)]]  # fmt: skip
 
     def trainer(model):
@@ -217,5 +219,6 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (tmp_path / "checkpoints" / ".partial-step000004").mkdir()  # a write cut short
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step000002", "step000003"]
     latest = latest_checkpoint(tmp_path)
-    assert latest.step == 3 and latest.state["x"] == 3 and len(latest.buffer) == 1
+    assert latest.step == 3 and latest.state["x"] == 3
+    assert latest.buffer_state == buffer.state_dict()
     assert math.isclose(float(latest.model["w"][0]), 1.0)

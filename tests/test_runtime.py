@@ -13,9 +13,10 @@ import pytest
 from tba.buffer import ReplayBuffer, Sample
 from tba.config import load_config
 from tba.run import trainer_threads
-from tba.runtime.feed import DataFeed
+from tba.runtime.feed import make_feed
 from tba.runtime.searcher_worker import SearcherWorker
 from tba.runtime.searchers import search_settings, searcher_seed
+from tba.trainer import Trainer
 
 
 def sample(prompt_id: int, version: int, seq: int = 0, incarnation: int = 0) -> Sample:
@@ -26,13 +27,14 @@ def sample(prompt_id: int, version: int, seq: int = 0, incarnation: int = 0) -> 
     )  # fmt: skip
 
 
-class FakeTrainer:
-    def __init__(self) -> None:
-        self.version = 0
+class FakeTrainer(Trainer):
+    """Versions and step counting of the real trainer, without a model."""
 
-    def publish(self):
-        self.version += 1
-        return {"w": np.zeros(1)}, self.version
+    def __init__(self) -> None:
+        self.version, self.step_count, self.publish_steps = 0, 0, [0]
+
+    def weights(self):
+        return {"w": np.zeros(1)}
 
 
 class FakeSearchers:
@@ -75,22 +77,25 @@ class FakeSearchers:
 def feed_for(*overrides: str):
     config = load_config(None, ["train.num_prompts=1", "train.group_size=2", *overrides])
     trainer, searchers = FakeTrainer(), FakeSearchers()
-    buffer = ReplayBuffer(config.buffer.capacity)
-    return DataFeed(config, searchers, trainer, buffer), trainer, searchers, buffer
+    buffer = ReplayBuffer.from_config(config.buffer)
+    return make_feed(config, searchers, trainer, buffer), trainer, searchers, buffer
 
 
-def test_async_feed_publishes_and_merges_every_k_steps():
+def test_async_feed_merges_every_step_and_publishes_every_k_steps():
     feed, trainer, searchers, buffer = feed_for("train.mode=async", "train.sync_every=3")
     stop = threading.Event()
     feed.start(stop)
-    assert searchers.started and searchers.published == [1] and len(buffer) == 2
+    assert searchers.started and searchers.published == [1] and len(buffer) == 8  # 4 batches
     for step in range(1, 8):
         stats = feed.before_step(step, stop)
         assert stats["wait_seconds"] < 0.05  # data is there: the trainer does not wait
+        assert stats["samples_in"] == 2  # what the searcher made since the last step
+        trainer.step_count += 1
     # Steps 1, 4 and 7 are sync points; the first weights went out at the start.
     assert searchers.published == [1, 2, 3]
-    assert searchers.collected_at[-3:] == [1, 2, 3]
+    assert searchers.collected_at[-7:] == [1, 1, 1, 2, 2, 2, 3]
     assert buffer.latest_version == 3
+    assert trainer.publish_steps == [0, 0, 3, 6]
 
 
 def test_sync_feed_generates_every_step_with_the_weights_just_published():
@@ -100,32 +105,47 @@ def test_sync_feed_generates_every_step_with_the_weights_just_published():
     for step in (1, 2):
         feed.before_step(step, stop)
         assert buffer.latest_version == trainer.version == step
+        trainer.step_count += 1
     assert len(buffer) == 2 * 2
 
 
-def test_staleness_bound_evicts_old_samples_at_merge():
-    feed, trainer, searchers, buffer = feed_for("train.mode=async", "buffer.max_staleness=1")
+def test_staleness_bound_in_steps_evicts_old_samples_at_merge():
+    feed, trainer, searchers, buffer = feed_for(
+        "train.mode=async", "train.sync_every=2", "buffer.max_staleness=3"
+    )
     stop = threading.Event()
     feed.start(stop)
-    for step in range(1, 6):
+    for step in range(1, 10):
         feed.before_step(step, stop)
-    assert trainer.version == 5
-    assert buffer.staleness(trainer.version)["max"] <= 1
-    assert feed.counts["stale_evicted"] > 0
+        assert all(trainer.steps_behind(v) <= 3 for v in buffer._versions)
+        trainer.step_count += 1
+    assert trainer.version == 5 and feed.counts["stale_evicted"] > 0
+
+
+def test_staleness_bound_below_k_keeps_the_newest_weights():
+    feed, trainer, searchers, buffer = feed_for(
+        "train.mode=async", "train.sync_every=5", "buffer.max_staleness=0"
+    )
+    stop = threading.Event()
+    feed.start(stop)
+    for step in range(1, 5):
+        assert feed.before_step(step, stop)["wait_seconds"] < 0.05
+        assert len(buffer) > 0 and buffer.latest_version == trainer.version
+        trainer.step_count += 1
 
 
 def test_feed_drops_duplicates_and_counts_gaps():
     feed, trainer, searchers, buffer = feed_for("train.mode=sync", "searchers.count=0")
     trainer.publish()
-    feed._merge([sample(0, 1, seq) for seq in (0, 1, 2)])
-    feed._merge([sample(0, 1, seq) for seq in (2, 3, 6)])  # 2 again; 4 and 5 never arrived
-    feed._merge([sample(1, 1, 0, incarnation=1)])  # a restarted searcher numbers from 0
+    feed._merge([sample(0, 1, seq) for seq in (0, 1, 2)], {})
+    feed._merge([sample(0, 1, seq) for seq in (2, 3, 6)], {})  # 2 again; 4 and 5 never arrived
+    feed._merge([sample(1, 1, 0, incarnation=1)], {})  # a restarted searcher numbers from 0
     assert len(buffer) == 6
     assert feed.counts["merged"] == 6
     assert feed.counts["duplicates"] == 1 and feed.counts["lost"] == 2
     restored = feed_for("train.mode=sync", "searchers.count=0")[0]
-    restored.restore(feed.state())
-    restored._merge([sample(0, 1, 6)])
+    restored.load_state_dict(feed.state_dict())
+    restored._merge([sample(0, 1, 6)], {})
     assert restored.counts["duplicates"] == 2
 
 

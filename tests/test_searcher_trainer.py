@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tba.buffer import Sample
-from tba.policy.logprobs import sequence_logprobs
+from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import frozen_copy
 from tba.searcher import PromptStream, Searcher, SearchSettings
 from tba.trainer import Trainer
@@ -72,19 +72,21 @@ def test_new_weights_change_the_version_and_the_policy(tiny_model, tokenizer):
     assert any(abs(s.ref_logp - s.behaviour_logp) > 1e-3 for s in samples)
 
 
-def test_one_tb_step_raises_the_rewarded_response(tiny_model, tokenizer):
+@pytest.mark.parametrize("trust_region", ["sequence", "token", "none"])
+def test_one_tb_step_raises_the_rewarded_response(tiny_model, tokenizer, trust_region):
     prompt = tokenizer("Q\n")["input_ids"]
     responses = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["12", "34", "56"]]
     with torch.no_grad():
         before = sequence_logprobs(tiny_model, [prompt] * 3, responses, pad_id=0)
+        tokens, _ = token_logprobs(tiny_model, [prompt] * 3, responses, pad_id=0)
     group = [
         Sample(7, prompt, r, reward=float(i == 0), ref_logp=float(lp), behaviour_logp=float(lp),
-               version=0)
+               behaviour_token_logps=tokens[i, : len(r)].tolist(), version=0)
         for i, (r, lp) in enumerate(zip(responses, before))
     ]  # fmt: skip
     trainer = Trainer(
         tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0, learning_rate=1e-3,
-        max_grad_norm=1.0,
+        max_grad_norm=1.0, trust_region=trust_region,
     )  # fmt: skip
     metrics = trainer.step([group], beta=0.5)
     with torch.no_grad():
@@ -94,7 +96,8 @@ def test_one_tb_step_raises_the_rewarded_response(tiny_model, tokenizer):
     assert metrics["loss"] > 0 and trainer.step_count == 1
 
 
-def test_micro_batches_give_the_same_gradient(tokenizer):
+@pytest.mark.parametrize("trust_region", ["sequence", "none"])
+def test_micro_batches_give_the_same_gradient(tokenizer, trust_region):
     from tba.policy.model import build_tiny_llama
 
     def model():
@@ -106,7 +109,8 @@ def test_micro_batches_give_the_same_gradient(tokenizer):
     prompt_a, prompt_b = tokenizer("A\n")["input_ids"], tokenizer("BB\n")["input_ids"]
     groups = [
         [Sample(pid, p, tokenizer(t, add_special_tokens=False)["input_ids"], reward=r,
-                ref_logp=-3.0, behaviour_logp=-3.0, version=0)
+                ref_logp=-3.0, behaviour_logp=-3.0, behaviour_token_logps=[-3.0 / len(t)] * len(t),
+                version=0)
          for t, r in [("1", 1.0), ("22", 0.0), ("3", 0.5)]]
         for pid, p in [(0, prompt_a), (1, prompt_b)]
     ]  # fmt: skip
@@ -114,7 +118,7 @@ def test_micro_batches_give_the_same_gradient(tokenizer):
     for micro in (None, 1):
         trainer = Trainer(
             model(), pad_id=0, temperature=1.0, learning_rate=0.0, max_grad_norm=1e9,
-            micro_batch_groups=micro,
+            micro_batch_groups=micro, trust_region=trust_region,
         )  # fmt: skip
         trainer.step(groups, beta=0.1)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))

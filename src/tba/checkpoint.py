@@ -39,7 +39,7 @@ class Checkpoint:
     path: Path
     model: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
-    buffer: ReplayBuffer
+    buffer_state: dict[str, Any]  # ReplayBuffer.state_dict()
     state: dict[str, Any]
 
     @property
@@ -101,7 +101,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             path=path,
             model=load_file(path / "model.safetensors"),
             optimizer=load_file(path / "optimizer.safetensors"),
-            buffer=ReplayBuffer.load(path / "buffer.json.gz"),
+            buffer_state=ReplayBuffer.read_state(path / "buffer.json.gz"),
             state=state,
         )
     except CheckpointError:

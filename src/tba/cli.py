@@ -5,6 +5,7 @@
     tba train --overwrite ...                   replace the run in output_dir
     tba pretrain [CONFIG.yaml] [key=value ...]  build the built-in base policy (cached)
     tba config [CONFIG.yaml] [key=value ...]    print the resolved configuration
+    tba config --reference                      every setting, its default and meaning (Markdown)
 
 Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, a checkpoint
 that does not fit) prints one line naming the problem and exits with status 2; a run that cannot
@@ -20,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from tba.config import ConfigError, dump_config, load_config
+from tba.config import ConfigError, dump_config, load_config, reference_table
 from tba.errors import CheckpointError, RunError
 from tba.quiet import quiet_libraries
 
@@ -35,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     ]:
         command = commands.add_parser(name, help=text, description=text)
         command.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+        if name == "config":
+            command.add_argument(
+                "--reference", action="store_true",
+                help="print every setting with its default and meaning as a Markdown table",
+            )  # fmt: skip
         if name == "train":
             command.add_argument(
                 "--resume", metavar="RUN_DIR", type=Path,
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             path, overrides = _resume_config(resume, path, overrides)
         config = load_config(path, overrides)
         if options.command == "config":
-            print(dump_config(config), end="")
+            print(reference_table() if options.reference else dump_config(config).rstrip("\n"))
             return 0
         quiet_libraries()
         from rich.console import Console

@@ -164,8 +164,12 @@ class TrainConfig(Section):
     loss: Literal["tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo"] = Field(
         "tb", description="objective: `tb` (VarGrad trajectory balance) or a baseline"
     )
+    trust_region: Literal["sequence", "token", "none"] = Field(
+        "sequence", description="tb: clip the importance ratio to the behaviour policy per "
+        "`sequence` or per `token` (TBA'), or `none` (the paper's plain TB)",
+    )
     clip_eps: float = Field(
-        0.2, gt=0, description="ratio clip of dr_grpo, grpo and proximal_rloo"
+        0.2, gt=0, description="ratio clip of tb's trust region, dr_grpo, grpo and proximal_rloo"
     )
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
@@ -184,7 +188,11 @@ class TrainConfig(Section):
     sync_every: int = Field(1, ge=1, description="k: optimizer steps between weight syncs")
     initial_buffer_samples: int | None = Field(
         None, ge=1, description="async: the trainer starts once the buffer holds this many "
-        "samples (default: one batch, B*K)",
+        "samples (default: four batches, 4*B*K)",
+    )
+    fresh_wait_s: float = Field(
+        0.0, ge=0, description="async: when fewer than m*B prompts with fresh samples are in the "
+        "buffer, wait up to this long for more before filling the batch from replay",
     )
     truncated: Literal["penalize", "drop"] = Field(
         "penalize", description="responses without EOS: reward `truncation_penalty`, or drop"
@@ -232,14 +240,16 @@ class BufferConfig(Section):
     capacity: int = Field(20000, ge=1, description="samples kept; oldest weight version evicted")
     per_prompt_capacity: int | None = Field(None, ge=1, description="samples kept per prompt")
     recent_prob: float = Field(
-        1.0, ge=0, le=1, description="m: probability a group comes from the latest weight version"
+        1.0, ge=0, le=1, description="m: probability a group is made of fresh samples (never "
+        "trained on, newest weights first); otherwise, or when none is left, a replay group",
     )
     reward_weight: float = Field(
         0.0, ge=0, le=1, description="replay: weight of softmax(r/T) against uniform"
     )
     reward_temperature: float = Field(1.0, gt=0, description="replay: T in softmax(r/T)")
     max_staleness: int | None = Field(
-        None, ge=0, description="drop samples more than this many weight versions old"
+        None, ge=0, description="drop samples of weights published more than this many optimizer "
+        "steps ago (the newest published weights are always kept)",
     )
 
 
@@ -288,6 +298,10 @@ class RayConfig(Section):
     sync_timeout_s: float = Field(
         120.0, gt=0, description="a searcher that does not answer a weight sync or a "
         "collection within this many seconds fails the run",
+    )
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="a searcher process that is not up (its model loaded) within "
+        "this many seconds fails the run",
     )
 
 
@@ -432,3 +446,16 @@ def _section_fields(dotted: str) -> list[str]:
 
 def dump_config(config: RunConfig) -> str:
     return yaml.safe_dump(config.model_dump(), sort_keys=False)
+
+
+def reference_table(model: type[BaseModel] = RunConfig, prefix: str = "") -> str:
+    """Every setting as a Markdown table row: `| key | default | meaning |` (the README's)."""
+    rows = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.append(reference_table(annotation, f"{prefix}{name}."))
+            continue
+        default = "null" if field.default is None else field.default
+        rows.append(f"| `{prefix}{name}` | `{default}` | {field.description or ''} |")
+    return "\n".join(rows)

@@ -3,12 +3,17 @@
 Data flows one way: prompts -> searchers -> buffer -> trainer -> weights -> searchers.
 
 - **async** (TBA): the searchers generate without pause, each with the latest weights it has
-  adopted. The trainer starts once the buffer holds `train.initial_buffer_samples`; then it only
-  samples batches and steps. Every `train.sync_every` steps it publishes its weights and merges
-  what the searchers made since the last sync. It never waits on a generation in flight.
+  adopted. The trainer starts once the buffer holds `train.initial_buffer_samples`; then every
+  step it merges what the searchers made since the step before, samples a batch (fresh samples
+  first, replay when none are left) and steps; every `train.sync_every` steps it publishes its
+  weights. It never waits on a generation in flight.
 - **sync** (on-policy baseline, same components): every step the searchers generate B prompts with
   the weights published last, the trainer waits for them and trains on a batch sampled from the
   buffer (with the default `recent_prob=1` and `sync_every=1`: exactly the samples just made).
+
+How the data reaches the buffer is `tba.runtime.feed` (`SyncFeed`, `AsyncFeed`); each step records
+how stale the batch was (weight versions, and optimizer steps since its weights were published),
+how many of its groups were fresh, reused or identical to one of the step before.
 
 The trainer runs in this process; the searchers run as Ray actors (`searchers.count >= 1`) or, in
 the synchronous mode with `searchers.count=0`, inside this process without Ray. The loop writes
@@ -60,7 +65,7 @@ from tba.rundir import (
     save_snapshot,
     truncate_metrics,
 )
-from tba.runtime.feed import DataFeed
+from tba.runtime.feed import make_feed
 from tba.runtime.searchers import open_searchers
 from tba.tasks import Task, load_task
 from tba.trainer import Trainer
@@ -115,6 +120,7 @@ def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Tra
         max_grad_norm=config.train.max_grad_norm,
         loss=config.train.loss,
         clip_eps=config.train.clip_eps,
+        trust_region=config.train.trust_region,
         micro_batch_groups=config.train.micro_batch_groups,
     )
 
@@ -229,10 +235,10 @@ class TrainLoop:
         self.tokenizer, self.task, self.run_dir, self.events = tokenizer, task, run_dir, events
         self.base = base
         tc = config.train
-        self.buffer = checkpoint.buffer if checkpoint else ReplayBuffer(
-            config.buffer.capacity, config.buffer.per_prompt_capacity
-        )
-        self.feed = DataFeed(config, searchers, trainer, self.buffer, events)
+        self.buffer = ReplayBuffer.from_config(config.buffer)
+        if checkpoint is not None:
+            self.buffer.load_state_dict(checkpoint.buffer_state)
+        self.feed = make_feed(config, searchers, trainer, self.buffer, events)
         self.rng = np.random.default_rng(config.seed)
         self.beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
         self.max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
@@ -242,7 +248,9 @@ class TrainLoop:
         minutes = config.checkpoint.every_minutes
         self.checkpoint_every = minutes * 60 if minutes else None
         self.next_checkpoint = self.checkpoint_every
-        self.staleness: Counter[int] = Counter()
+        self.staleness: Counter[int] = Counter()  # weight versions behind, per trained sample
+        self.staleness_steps: Counter[int] = Counter()  # optimizer steps behind, per sample
+        self.groups: Counter[str] = Counter()  # fresh, reused, repeated; identical batches
         self.waiting: Counter[str] = Counter()  # after warm-up: waited, synced, evaluated, total
         self.last_eval = base
         self.elapsed = 0.0  # training seconds of the earlier processes of this run
@@ -305,21 +313,28 @@ class TrainLoop:
         record: dict = {"step": step, **self.feed.before_step(step, stop)}
         if len(self.buffer) == 0:
             return None
-        groups = self.buffer.sample(
-            tc.num_prompts, tc.group_size, self.rng, recent_prob=self.config.buffer.recent_prob,
-            reward_weight=self.config.buffer.reward_weight,
-            reward_temperature=self.config.buffer.reward_temperature,
-        )  # fmt: skip
-        lags = [trainer.version - s.version for g in groups for s in g]
+        batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.rng)
+        samples = [s for g in batch.groups for s in g]
+        lags = [trainer.version - s.version for s in samples]
+        lags_steps = [trainer.steps_behind(s.version) for s in samples]
         self.staleness.update(lags)
+        self.staleness_steps.update(lags_steps)
+        self.groups.update(trained=len(batch.groups), fresh=batch.fresh, reused=batch.reused,
+                           repeated=batch.repeated,
+                           identical_batches=batch.repeated == len(batch.groups))  # fmt: skip
         beta = self.beta_at(max((step - 1) / tc.max_steps, elapsed / self.max_seconds))
         record |= {
             "beta": beta,
-            "reward_mean": float(np.mean([s.reward for g in groups for s in g])),
-            **trainer.step(groups, beta),
+            "reward_mean": float(np.mean([s.reward for s in samples])),
+            **trainer.step(batch.groups, beta),
             "buffer_size": len(self.buffer),
             "staleness_mean": float(np.mean(lags)),
             "staleness_max": max(lags),
+            "staleness_steps_mean": float(np.mean(lags_steps)),
+            "staleness_steps_max": max(lags_steps),
+            "fresh_groups": batch.fresh,
+            "reused_groups": batch.reused,
+            "repeated_groups": batch.repeated,
         }
         self.waiting["wait"] += record["wait_seconds"]
         self.waiting["sync"] += record["sync_seconds"]
@@ -374,7 +389,7 @@ class TrainLoop:
             "base": self.base,
             "trainer": trainer_state,
             "searchers": self.searchers.state(),
-            "feed": self.feed.state(),
+            "feed": self.feed.state_dict(),
             "rng": rng_states(self.rng),
             "loop": self.state(),
         }
@@ -395,6 +410,8 @@ class TrainLoop:
             "elapsed": time.time() - self.start,
             "warmup_seconds": self.warmup_seconds,
             "staleness": {str(lag): n for lag, n in self.staleness.items()},
+            "staleness_steps": {str(lag): n for lag, n in self.staleness_steps.items()},
+            "groups": dict(self.groups),
             "waiting": dict(self.waiting),
             "last_eval": self.last_eval,
             "next_snapshot": self.next_snapshot,
@@ -407,12 +424,16 @@ class TrainLoop:
         loop = state["loop"]
         self.elapsed, self.warmup_seconds = loop["elapsed"], loop["warmup_seconds"]
         self.staleness = Counter({int(lag): n for lag, n in loop["staleness"].items()})
+        self.staleness_steps = Counter(
+            {int(lag): n for lag, n in loop["staleness_steps"].items()}
+        )
+        self.groups = Counter(loop["groups"])
         self.waiting = Counter(loop["waiting"])
         self.last_eval, self.next_snapshot = loop["last_eval"], loop["next_snapshot"]
         self.next_checkpoint = loop["next_checkpoint"]
         self.nonfinite_in_a_row = loop["nonfinite_in_a_row"]
         self.checkpoint_failures = loop["checkpoint_failures"]
-        self.feed.restore(state["feed"])
+        self.feed.load_state_dict(state["feed"])
         restore_rng_states(self.rng, state["rng"])
 
     # -------------------------------------------------------------------------------- summary
@@ -433,6 +454,17 @@ class TrainLoop:
             "trainer_sync_frac": self.waiting["sync"] / total,
             "eval_frac": self.waiting["eval"] / total,
             "staleness_histogram": {str(k): n for k, n in sorted(self.staleness.items())},
+            "staleness_steps_histogram": {
+                str(k): n for k, n in sorted(self.staleness_steps.items())
+            },
+            "staleness_steps_mean": _mean_of_histogram(self.staleness_steps),
+            # Groups of fresh samples, groups whose every sample was trained on before, groups
+            # identical to one of the step before, and whole batches trained twice in a row.
+            "groups_trained": self.groups["trained"],
+            "groups_fresh": self.groups["fresh"],
+            "groups_reused": self.groups["reused"],
+            "groups_repeated": self.groups["repeated"],
+            "identical_batches": self.groups["identical_batches"],
             "samples_generated": generated if generated is not None else counts["merged"],
             "samples_merged": counts["merged"],
             "samples_per_s": counts["merged"] / max(self.train_seconds, 1e-9),
@@ -447,6 +479,11 @@ class TrainLoop:
             "checkpoint_failures": self.checkpoint_failures,
             "searcher_restarts": searchers.restarts,
         }
+
+
+def _mean_of_histogram(histogram: Counter[int]) -> float:
+    total = sum(histogram.values())
+    return sum(k * n for k, n in histogram.items()) / total if total else 0.0
 
 
 def save_results(run_dir: Path, summary: dict, model, tokenizer) -> None:

@@ -6,10 +6,12 @@
                            steps; checkpoints written or failed; interruptions and resumes
 <run_dir>/checkpoints/     everything `tba train --resume` needs (see tba.checkpoint)
 <run_dir>/searchers/       per searcher process: samples made and prompt-stream position
-<run_dir>/eval.json        base and final evaluation, waiting fraction, staleness histogram
+<run_dir>/eval.json        base and final evaluation, waiting fraction, staleness histograms
+                           (weight versions and optimizer steps), fresh and repeated groups
 <run_dir>/snapshots/       policy weights every `eval.snapshot_minutes`, if asked (fp32, keys
                            of the base model; with LoRA the adapters merged in)
-<run_dir>/curves.png       held-out pass@1 and mean reward against wall-clock minutes
+<run_dir>/curves.png       held-out pass@1 and mean reward against wall-clock minutes, and the
+                           staleness of the trained samples in optimizer steps
 <run_dir>/final/           the trained policy and its tokenizer, loadable with `from_pretrained`;
                            with LoRA: the adapters merged into the base weights (merged tensors
                            in fp32), and the adapters alone in final/adapter/
@@ -107,7 +109,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
-    """Held-out greedy pass@1 and batch mean reward against wall-clock minutes."""
+    """Held-out greedy pass@1 and the reward of new samples against wall-clock minutes; below,
+    how stale the trained samples were (optimizer steps since their weights were published)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
@@ -115,7 +118,9 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
 
     evals = [r for r in records if "eval_pass@1" in r]
     steps = [r for r in records if "reward_mean" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig, (ax, lag) = plt.subplots(
+        2, 1, figsize=(7, 6), dpi=110, sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
     ax.plot(
         [r["time"] / 60 for r in evals],
         [r["eval_pass@1"] for r in evals],
@@ -124,20 +129,31 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
         label="held-out greedy pass@1",
     )
     minutes = [r["time"] / 60 for r in steps]
-    rewards = [r["reward_mean"] for r in steps]
-    ax.plot(minutes, rewards, color="tab:orange", alpha=0.2, linewidth=0.8)
-    ax.plot(
-        minutes,
-        _moving_average(rewards, 25),
-        color="tab:orange",
-        label="batch mean reward (25-step average)",
-    )
-    ax.set_xlabel("wall-clock minutes")
+    # The reward of the samples that arrived at each step: what the searchers' policy scores
+    # (a batch's own mean mixes in replayed samples).
+    arrived = [r for r in steps if r.get("samples_in")]
+    if arrived:
+        rewards = [r["reward_in"] for r in arrived]
+        ax.plot([r["time"] / 60 for r in arrived], _moving_average(rewards, 25),
+                color="tab:orange", label="reward of new samples (25-step average)")  # fmt: skip
+    else:
+        rewards = [r["reward_mean"] for r in steps]
+        ax.plot(minutes, _moving_average(rewards, 25), color="tab:orange",
+                label="batch mean reward (25-step average)")  # fmt: skip
     ax.set_ylabel("accuracy / reward")
     ax.set_ylim(min([0.0, *rewards]), 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
+    staleness = [r.get("staleness_steps_mean", 0.0) for r in steps]
+    lag.plot(minutes, [r.get("staleness_steps_max", 0.0) for r in steps], color="tab:red",
+             alpha=0.3, linewidth=0.8, label="max in the batch")  # fmt: skip
+    lag.plot(minutes, _moving_average(staleness, 25), color="tab:red",
+             label="batch mean (25-step average)")  # fmt: skip
+    lag.set_xlabel("wall-clock minutes")
+    lag.set_ylabel("staleness (steps)")
+    lag.grid(alpha=0.3)
+    lag.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

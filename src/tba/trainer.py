@@ -2,8 +2,17 @@
 
 The reference log-probs come with the samples; the trainer only runs the policy. Groups are kept
 whole inside a micro-batch, because each group's log Z_hat (or baseline) is estimated from all its
-members. `loss` picks the objective: `tb` (VarGrad Trajectory Balance) or one of the baselines of
+members. `loss` picks the objective: `tb` (VarGrad Trajectory Balance in reward units, with the
+trust region `trust_region`: a clipped importance ratio to the behaviour policy per `sequence` or
+per `token`, or `none`, the paper's plain TB) or one of the baselines of
 `tba.objectives.baselines`, which share everything else.
+
+Gradient clipping: every objective but GRPO is in reward units per sequence (on-policy, each
+sequence's log-prob gets gradient -A_i / N), so `max_grad_norm` clips them alike; GRPO's
+standardised, length-normalised advantages are unitless. Each step reports the norm before
+clipping (`grad_norm`) and the factor the clip applied (`clip_factor`, 1 when it did not bind),
+and how far the batch is from the policy that generated it: `ratio_out_frac`, the share of
+sequences whose ratio pi / pi_behaviour left [0.8, 1.2].
 
 The optimizer updates only trainable weights (with LoRA: the adapters), and bf16 weights through
 fp32 master copies (`tba.precision`); the loss is computed in fp32.
@@ -11,6 +20,7 @@ fp32 master copies (`tba.precision`); the loss is computed in fp32.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 
@@ -26,14 +36,17 @@ from tba.objectives import (
     proximal_rloo_loss,
     rloo_loss,
     tb_loss,
+    tb_trust_region_loss,
 )
-from tba.policy.logprobs import sequence_logprobs, token_logprobs
+from tba.policy.logprobs import token_logprobs
 from tba.policy.model import get_weights
 from tba.precision import MasterWeights
 
 LOSSES = ("tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo")
+TRUST_REGIONS = ("sequence", "token", "none")
 CLIPPED = {"dr_grpo": dr_grpo_loss, "grpo": grpo_loss, "proximal_rloo": proximal_rloo_loss}
 UNCLIPPED = {"rloo": rloo_loss, "online_dpo": online_dpo_loss}
+RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 1.2]
 
 
 class Trainer:
@@ -49,11 +62,17 @@ class Trainer:
         micro_batch_groups: int | None = None,
         loss: str = "tb",
         clip_eps: float = 0.2,
+        trust_region: str = "sequence",
     ) -> None:
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; available: {', '.join(LOSSES)}")
+        if trust_region not in TRUST_REGIONS:
+            raise ValueError(
+                f"unknown trust region {trust_region!r}; available: {', '.join(TRUST_REGIONS)}"
+            )
         self.loss = loss
         self.clip_eps = clip_eps
+        self.trust_region = trust_region
         self.model = model.train()
         self.pad_id = pad_id
         self.temperature = temperature
@@ -68,6 +87,7 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
         )
         self.version = 0  # weight version: bumped at every publish
+        self.publish_steps = [0]  # [v]: optimizer steps taken when version v was published
         self.step_count = 0
         self.skipped_steps = 0  # non-finite loss or gradient: no update
 
@@ -77,7 +97,18 @@ class Trainer:
     def publish(self) -> tuple[dict[str, np.ndarray], int]:
         """The current weights as the next version, for the searchers."""
         self.version += 1
+        self.publish_steps.append(self.step_count)
         return self.weights(), self.version
+
+    def steps_behind(self, version: int) -> int:
+        """Optimizer steps taken since the weights of `version` were published: how far a
+        sample of that version is from the policy being trained."""
+        return self.step_count - self.publish_steps[version]
+
+    def oldest_version_within(self, steps: int) -> int:
+        """The oldest version published at most `steps` optimizer steps ago (the next version
+        to be published when there is none)."""
+        return bisect.bisect_left(self.publish_steps, self.step_count - steps)
 
     def step(self, groups: list[list[Sample]], beta: float) -> dict[str, float]:
         start = time.time()
@@ -109,7 +140,8 @@ class Trainer:
         elapsed = time.time() - start
         return {
             **{key: value / total for key, value in sums.items()},
-            "grad_norm": float(grad_norm),
+            "grad_norm": float(grad_norm),  # before clipping
+            "clip_factor": min(1.0, self.max_grad_norm / (float(grad_norm) + 1e-6)),
             "skipped": float(not finite),
             "train_seconds": elapsed,
             "train_tokens_per_s": tokens / elapsed,
@@ -134,6 +166,7 @@ class Trainer:
             "optimizer_scalars": scalars,
             "schedule": self.schedule.state_dict(),  # its lambda is code: saved as null
             "version": self.version,
+            "publish_steps": self.publish_steps,
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
         }
@@ -153,28 +186,39 @@ class Trainer:
         self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
         self.schedule.load_state_dict(meta["schedule"])
         self.version = meta["version"]
+        self.publish_steps = list(meta["publish_steps"])
         self.step_count = meta["step_count"]
         self.skipped_steps = meta["skipped_steps"]
 
     def _loss(self, flat: list[Sample], beta: float) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective on one micro-batch, and its metrics (means over its samples)."""
-        prompts = [s.prompt_ids for s in flat]
-        responses = [s.response_ids for s in flat]
         device = next(self.model.parameters()).device
         ref_logp = torch.tensor([s.ref_logp for s in flat], device=device)
         rewards = torch.tensor([s.reward for s in flat], device=device)
         group_ids = torch.tensor([s.prompt_id for s in flat], device=device)
-        if self.loss == "tb":
-            logp = sequence_logprobs(
-                self.model, prompts, responses, pad_id=self.pad_id, temperature=self.temperature
-            )
+        token_logp, mask = token_logprobs(
+            self.model, [s.prompt_ids for s in flat], [s.response_ids for s in flat],
+            pad_id=self.pad_id, temperature=self.temperature,
+        )  # fmt: skip
+        logp = token_logp.sum(dim=1)
+        behaviour_logp = torch.tensor([s.behaviour_logp for s in flat], device=device)
+        log_ratio = logp.detach() - behaviour_logp
+        band = math.log(1.0 - RATIO_BAND), math.log(1.0 + RATIO_BAND)
+        drift = {
+            "ratio_out_frac": float(((log_ratio < band[0]) | (log_ratio > band[1])).float().mean()),
+            "log_ratio_abs": float(log_ratio.abs().mean()),
+        }
+        if self.loss == "tb" and self.trust_region == "none":
             loss, log_z = tb_loss(logp, ref_logp, rewards, group_ids, beta)
             kl = (logp.detach() - ref_logp).mean()
-            return loss, {"log_z": float(log_z.mean()), "kl": float(kl)}
-        token_logp, mask = token_logprobs(
-            self.model, prompts, responses, pad_id=self.pad_id, temperature=self.temperature
-        )
-        if self.loss in CLIPPED:
+            return loss, {"log_z": float(log_z.mean()), "kl": float(kl), **drift}
+        if self.loss == "tb":
+            behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
+            loss, stats = tb_trust_region_loss(
+                token_logp, behaviour, mask, rewards, ref_logp, group_ids,
+                beta=beta, clip_eps=self.clip_eps, level=self.trust_region,
+            )  # fmt: skip
+        elif self.loss in CLIPPED:
             behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
             loss, stats = CLIPPED[self.loss](
                 token_logp, behaviour, mask, rewards, ref_logp, group_ids,
@@ -184,7 +228,7 @@ class Trainer:
             loss, stats = UNCLIPPED[self.loss](
                 token_logp, mask, rewards, ref_logp, group_ids, beta=beta
             )
-        return loss, {key: float(value) for key, value in stats.items()}
+        return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
 
 
 def _behaviour_token_logps(flat: list[Sample], width: int, device) -> torch.Tensor:

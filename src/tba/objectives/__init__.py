@@ -2,8 +2,10 @@
 
 The central objective is the VarGrad Trajectory Balance loss (:func:`tb_loss`), which fits the
 policy to the KL-regularised target ``pi_ref(y|x) exp(r(x, y) / beta)`` by driving the per-group
-variance of ``log pi - log pi_ref - r / beta`` to zero; :func:`group_mean` provides the
-vectorised per-prompt averaging shared by group-based losses, and :class:`BetaSchedule` gives
+variance of ``log pi - log pi_ref - r / beta`` to zero, computed in reward units so that its
+gradient has the scale of the baselines'; :func:`tb_trust_region_loss` is the same objective with
+a clipped importance ratio to the behaviour policy, for stale samples. :func:`group_mean` provides
+the vectorised per-prompt averaging shared by group-based losses, and :class:`BetaSchedule` gives
 the (possibly annealed) beta as a function of training progress.
 
 Baselines for comparison (:mod:`tba.objectives.baselines`), all on the same grouped batches and,
@@ -21,8 +23,9 @@ from tba.objectives.baselines import (
     proximal_rloo_loss,
     rloo_loss,
 )
+from tba.objectives.common import group_mean
 from tba.objectives.schedules import BetaSchedule
-from tba.objectives.tb import group_mean, tb_loss
+from tba.objectives.tb import tb_loss, tb_residuals, tb_trust_region_loss
 
 __all__ = [
     "BetaSchedule",
@@ -33,4 +36,6 @@ __all__ = [
     "proximal_rloo_loss",
     "rloo_loss",
     "tb_loss",
+    "tb_residuals",
+    "tb_trust_region_loss",
 ]

@@ -33,55 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tba.objectives.tb import group_mean
-
-LOG_RATIO_CLAMP = 20.0  # |log importance ratio| is clamped to this before exp (ratio <= ~4.9e8)
-
+from tba.objectives.common import (
+    check_positive,
+    clipped_objective,
+    group_mean,
+    masked,
+    shaped_rewards,
+    validate_grouped,
+)
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _validate(
-    mask: Tensor, group_ids: Tensor, per_token: dict[str, Tensor], per_seq: dict[str, Tensor]
-) -> None:
-    """Raise ``ValueError`` unless the inputs form a valid grouped batch of N x T tokens."""
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be 2-D (N, T), got shape {tuple(mask.shape)}")
-    for name, tensor in per_token.items():
-        if tensor.shape != mask.shape:
-            raise ValueError(
-                f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(tensor.shape)}"
-            )
-    n = mask.shape[0]
-    for name, tensor in {**per_seq, "group_ids": group_ids}.items():
-        if tensor.shape != (n,):
-            raise ValueError(f"{name} must have shape (N,) = ({n},), got {tuple(tensor.shape)}")
-    if n == 0:
-        raise ValueError("the loss needs a non-empty batch")
-    if group_ids.is_floating_point() or group_ids.is_complex():
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    if not ((mask == 0) | (mask == 1)).all():
-        raise ValueError("mask must be boolean or contain only 0 and 1")
-    empty = (~mask.bool().any(dim=1)).nonzero().flatten()
-    if empty.numel() > 0:
-        raise ValueError(f"every sequence needs >= 1 real token; empty rows: {empty.tolist()}")
-    ids, counts = torch.unique(group_ids, return_counts=True)
-    small = ids[counts < 2]
-    if small.numel() > 0:
-        raise ValueError(
-            "every group needs >= 2 sequences for a baseline; "
-            f"singleton group ids: {small.tolist()}"
-        )
-
-
-def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
-    if not (value >= 0 if allow_zero else value > 0):
-        raise ValueError(f"{name} must be {'>=' if allow_zero else '>'} 0, got {value}")
-
-
-def _masked(token_values: Tensor, mask: Tensor) -> Tensor:
-    """float32 copy with padding set to 0 (padding may hold anything, even -inf)."""
-    return token_values.float().masked_fill(~mask, 0.0)
 
 
 def _group_size(group_ids: Tensor) -> Tensor:
@@ -94,30 +55,6 @@ def _group_std(values: Tensor, group_ids: Tensor) -> Tensor:
     """Per-element population std (unbiased=False) of ``values`` over its group."""
     centred = values - group_mean(values, group_ids)
     return group_mean(centred.pow(2), group_ids).sqrt()
-
-
-def _shaped_rewards(
-    rewards: Tensor, logp: Tensor, ref_logp: Tensor, beta: float
-) -> tuple[Tensor, Tensor]:
-    """``(r_tilde, kl)`` with ``kl = stopgrad(logp - ref_logp)`` and ``r_tilde = r - beta kl``."""
-    kl = logp.detach() - ref_logp.detach().float()
-    return rewards.detach().float() - beta * kl, kl
-
-
-def _clipped_objective(
-    log_ratio: Tensor, advantage: Tensor, clip_eps: float
-) -> tuple[Tensor, Tensor]:
-    """PPO-clip ``o = min(rho A, clip(rho, 1-eps, 1+eps) A)`` with ``rho = exp(log_ratio)``.
-
-    Returns ``(o, clipped)``, where ``clipped`` marks entries whose clipped branch is active
-    (strictly smaller, so their gradient is zero). The log-ratio is clamped to
-    ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp`` so a stale sample cannot overflow.
-    """
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    unclipped = ratio * advantage
-    clipped_value = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantage
-    clipped = clipped_value < unclipped
-    return torch.where(clipped, clipped_value, unclipped), clipped
 
 
 def _token_ppo(
@@ -133,23 +70,23 @@ def _token_ppo(
     eps_std: float = 0.0,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Shared (Dr.) GRPO body: masked per-token objective ``mask * o`` (N, T), lengths, stats."""
-    _validate(
+    validate_grouped(
         mask,
         group_ids,
         {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp},
         {"rewards": rewards, "ref_logp": ref_logp},
     )
-    _check_positive("beta", beta, allow_zero=True)
-    _check_positive("clip_eps", clip_eps)
+    check_positive("beta", beta, allow_zero=True)
+    check_positive("clip_eps", clip_eps)
     mask = mask.bool()
-    token_logp = _masked(token_logp, mask)
-    log_ratio = token_logp - _masked(behaviour_token_logp.detach(), mask)
+    token_logp = masked(token_logp, mask)
+    log_ratio = token_logp - masked(behaviour_token_logp.detach(), mask)
 
-    r_tilde, kl = _shaped_rewards(rewards, token_logp.sum(dim=1), ref_logp, beta)
+    r_tilde, kl = shaped_rewards(rewards, token_logp.sum(dim=1), ref_logp, beta)
     advantage = r_tilde - group_mean(r_tilde, group_ids)
     if standardise:
         advantage = advantage / (_group_std(r_tilde, group_ids) + eps_std)
-    objective, clipped = _clipped_objective(log_ratio, advantage[:, None], clip_eps)
+    objective, clipped = clipped_objective(log_ratio, advantage[:, None], clip_eps)
     objective = objective.masked_fill(~mask, 0.0)
 
     lengths = mask.sum(dim=1).float()
@@ -186,10 +123,12 @@ def dr_grpo_loss(
         A_i       = r_tilde_i - mean_{j in g(i)} r_tilde_j
         rho_it    = exp(token_logp_it - behaviour_token_logp_it)
         o_it      = min(rho_it A_i, clip(rho_it, 1 - eps, 1 + eps) A_i)
-        loss      = -(1 / (N T_max)) sum_{i,t} mask_it o_it,      T_max = mask.shape[1]
+        loss      = -(1 / N) sum_{i,t} mask_it o_it
 
-    On-policy (rho = 1) the gradient w.r.t. each real token log-prob is ``-A_i / (N T_max)``:
-    REINFORCE with a mean baseline on the KL-shaped reward, scaled by the constant ``1/T_max``.
+    Dr. GRPO divides the token sum by a constant rather than by each response's length; the
+    constant only scales the gradient, and 1 puts it in the units of every other objective here
+    (so `max_grad_norm` clips it alike). On-policy (rho = 1) the gradient w.r.t. each real token
+    log-prob is ``-A_i / N``: REINFORCE with a mean baseline on the KL-shaped reward.
 
     Stats: ``advantage_abs_mean``, ``clip_frac`` (fraction of real tokens whose clipped branch
     is active, i.e. whose gradient is zeroed) and ``kl`` (mean of logp - ref_logp).
@@ -205,7 +144,7 @@ def dr_grpo_loss(
         clip_eps,
         standardise=False,
     )
-    loss = -objective.sum() / objective.numel()
+    loss = -objective.sum() / objective.shape[0]
     return loss, stats
 
 
@@ -230,7 +169,7 @@ def grpo_loss(
     On-policy the gradient w.r.t. each real token log-prob is ``-A_i / (N |y_i|)``.
     Stats as :func:`dr_grpo_loss`.
     """
-    _check_positive("eps_std", eps_std)
+    check_positive("eps_std", eps_std)
     objective, lengths, stats = _token_ppo(
         token_logp,
         behaviour_token_logp,
@@ -264,12 +203,12 @@ def rloo_loss(
     The gradient w.r.t. each real token log-prob of sequence i is ``-A_i / N``.
     Stats: ``advantage_abs_mean`` and ``kl``.
     """
-    _validate(
+    validate_grouped(
         mask, group_ids, {"token_logp": token_logp}, {"rewards": rewards, "ref_logp": ref_logp}
     )
-    _check_positive("beta", beta, allow_zero=True)
-    logp = _masked(token_logp, mask.bool()).sum(dim=1)
-    r_tilde, kl = _shaped_rewards(rewards, logp, ref_logp, beta)
+    check_positive("beta", beta, allow_zero=True)
+    logp = masked(token_logp, mask.bool()).sum(dim=1)
+    r_tilde, kl = shaped_rewards(rewards, logp, ref_logp, beta)
     advantage = _rloo_advantage(r_tilde, group_ids)
     loss = -(advantage * logp).mean()
     return loss, {"advantage_abs_mean": advantage.abs().mean(), "kl": kl.mean()}
@@ -304,20 +243,20 @@ def proximal_rloo_loss(
     Stats: ``advantage_abs_mean``, ``clip_frac`` (fraction of *sequences* whose clipped branch is
     active) and ``kl``.
     """
-    _validate(
+    validate_grouped(
         mask,
         group_ids,
         {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp},
         {"rewards": rewards, "ref_logp": ref_logp},
     )
-    _check_positive("beta", beta, allow_zero=True)
-    _check_positive("clip_eps", clip_eps)
+    check_positive("beta", beta, allow_zero=True)
+    check_positive("clip_eps", clip_eps)
     mask = mask.bool()
-    logp = _masked(token_logp, mask).sum(dim=1)
-    behaviour_logp = _masked(behaviour_token_logp.detach(), mask).sum(dim=1)
-    r_tilde, kl = _shaped_rewards(rewards, logp, ref_logp, beta)
+    logp = masked(token_logp, mask).sum(dim=1)
+    behaviour_logp = masked(behaviour_token_logp.detach(), mask).sum(dim=1)
+    r_tilde, kl = shaped_rewards(rewards, logp, ref_logp, beta)
     advantage = _rloo_advantage(r_tilde, group_ids)
-    objective, clipped = _clipped_objective(logp - behaviour_logp, advantage, clip_eps)
+    objective, clipped = clipped_objective(logp - behaviour_logp, advantage, clip_eps)
     loss = -objective.mean()
     stats = {
         "advantage_abs_mean": advantage.abs().mean(),
@@ -356,11 +295,11 @@ def online_dpo_loss(
     Stats: ``pairs`` (P), ``margin`` (mean beta-scaled implicit reward margin over the pairs, 0
     if none) and ``kl``.
     """
-    _validate(
+    validate_grouped(
         mask, group_ids, {"token_logp": token_logp}, {"rewards": rewards, "ref_logp": ref_logp}
     )
-    _check_positive("beta", beta)
-    logp = _masked(token_logp, mask.bool()).sum(dim=1)
+    check_positive("beta", beta)
+    logp = masked(token_logp, mask.bool()).sum(dim=1)
     log_ratio = logp - ref_logp.detach().float()
     rewards = rewards.detach().float()
 

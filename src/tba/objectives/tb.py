@@ -1,4 +1,4 @@
-"""VarGrad Trajectory Balance loss for sequence-level RL post-training.
+"""VarGrad Trajectory Balance, in reward units, with an optional trust region.
 
 For a prompt x with sampled responses y_1..y_K (one "group"), the Trajectory Balance (TB)
 constraint for the KL-regularised target ``pi*(y|x) ∝ pi_ref(y|x) exp(r(x, y) / beta)`` is
@@ -6,24 +6,43 @@ constraint for the KL-regularised target ``pi*(y|x) ∝ pi_ref(y|x) exp(r(x, y) 
     log Z(x) + log pi(y_i|x) = log pi_ref(y_i|x) + r_i / beta.
 
 The VarGrad variant replaces the learned log-partition function by its per-group estimate, so the
-loss is the (batch-averaged) variance of the per-sequence log-ratio within each group.
+loss is the within-group variance of ``log pi - log pi_ref - r / beta``.
+
+Units. The paper's loss is in nats (``r / beta``): its gradient is ``2 / beta`` times that of
+REINFORCE, so its norm (hundreds at beta = 0.05) swamps any gradient-norm clip, every step gets
+clipped to the same length and clipping means something else for every objective and every beta.
+Here the residual is multiplied by beta (reward units) and the loss by ``1 / (2 beta)``: the
+minimiser and the direction of every gradient are unchanged, and the gradient w.r.t. each
+sequence log-prob is exactly ``-A_i / N`` with the advantage
+
+    A_i = (r_i - r_bar(x)) - beta (KL_i - KL_bar(x)),      KL_i = log pi(y_i|x) - log pi_ref(y_i|x)
+
+(bars: group means), i.e. REINFORCE with a mean baseline on the KL-shaped reward, the same scale
+as the baselines' gradients (RLOO's times (K-1)/K).
+
+Trust region (:func:`tb_trust_region_loss`, TBA' in the authors' follow-up). Off-policy, the plain
+TB gradient keeps pushing a stale sample the policy already moved, at full size; with a trust
+region a sample (or token) whose importance ratio to its behaviour policy left [1 - eps, 1 + eps]
+in the direction of its advantage stops being pushed. On-policy (ratio 1) both losses give the
+same gradient.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 
+from tba.objectives.common import (
+    check_positive,
+    clipped_objective,
+    group_mean,
+    masked,
+    validate_grouped,
+)
 
-def group_mean(values: Tensor, group_ids: Tensor) -> Tensor:
-    """Per-element mean of ``values`` over the group each element belongs to.
-
-    ``out_i = mean_{j : g_j = g_i} values_j`` where ``g = group_ids``. Groups are formed by the
-    explicit ids (any order, any values), never by reshaping. Differentiable in ``values``.
-    """
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    sums = values.new_zeros(counts.numel()).index_add_(0, inverse, values)
-    return (sums / counts.to(values.dtype))[inverse]
+TrustRegion = Literal["sequence", "token"]
 
 
 def _validate(
@@ -54,36 +73,115 @@ def _validate(
         )
 
 
+def tb_residuals(
+    logp: Tensor, ref_logp: Tensor, rewards: Tensor, group_ids: Tensor, beta: float
+) -> tuple[Tensor, Tensor]:
+    """``(residual, log_z)``: the TB residual in reward units, and log Z_hat (detached).
+
+        delta_i      = logp_i - ref_logp_i - r_i / beta
+        log Z_hat(x) = stopgrad( -mean_{i in x} delta_i )
+        residual_i   = beta (log Z_hat(x_i) + delta_i) = -A_i
+
+    float32; differentiable in ``logp`` only.
+    """
+    logp = logp.float()
+    delta = logp - ref_logp.detach().float() - rewards.detach().float() / beta
+    log_z = -group_mean(delta.detach(), group_ids)
+    return beta * (log_z + delta), log_z
+
+
 def tb_loss(
     logp: Tensor, ref_logp: Tensor, rewards: Tensor, group_ids: Tensor, beta: float
 ) -> tuple[Tensor, Tensor]:
-    """VarGrad Trajectory Balance loss.
+    """VarGrad Trajectory Balance loss in reward units.
 
     All inputs are 1-D of length N (one entry per sequence): ``logp`` is the summed log-prob of
     each response under the policy, ``ref_logp`` the same under the frozen reference, ``rewards``
-    the scalar rewards and ``group_ids`` the integer prompt id x of each sequence. With
+    the scalar rewards and ``group_ids`` the integer prompt id x of each sequence. With the
+    residual of :func:`tb_residuals`,
 
-        delta_i     = logp_i - ref_logp_i - r_i / beta
-        log Z_hat(x) = stopgrad( mean_{i in x} ( r_i / beta - (logp_i - ref_logp_i) ) )
-                     = stopgrad( -mean_{i in x} delta_i )
-        loss        = (1/N) sum_i ( log Z_hat(x_i) + delta_i )^2
+        loss = (1 / (2 beta N)) sum_i residual_i^2
+             = (beta / 2) * (1/N) sum_i (log Z_hat(x_i) + delta_i)^2       (the paper's loss)
 
-    the gradient is ``d loss / d logp_i = (2/N) (log Z_hat(x_i) + delta_i)``, i.e. a policy
-    gradient with advantage ``-(log Z_hat + delta_i) = (r_i - r_bar)/beta - (KL_i - KL_bar)``
-    where ``KL_i = logp_i - ref_logp_i`` and bars are group means.
-
-    Computation is in float32 whatever the input dtype. Every group needs >= 2 members.
+    and ``d loss / d logp_i = residual_i / N = -A_i / N`` with
+    ``A_i = (r_i - r_bar) - beta (KL_i - KL_bar)``. The loss is zero iff ``delta`` is constant
+    within every group. Computed in float32 whatever the input dtype. Every group needs >= 2
+    members.
 
     Returns:
         ``(loss, log_z)``: the scalar float32 loss and the detached per-sequence
         ``log Z_hat(x_i)`` of shape (N,).
     """
     _validate(logp, ref_logp, rewards, group_ids, beta)
-    logp = logp.float()
-    ref_logp = ref_logp.detach().float()
-    rewards = rewards.detach().float()
-
-    delta = logp - ref_logp - rewards / beta
-    log_z = -group_mean(delta.detach(), group_ids)
-    loss = (log_z + delta).pow(2).mean()
+    residual, log_z = tb_residuals(logp, ref_logp, rewards, group_ids, beta)
+    loss = residual.pow(2).mean() / (2.0 * beta)
     return loss, log_z
+
+
+def tb_trust_region_loss(
+    token_logp: Tensor,
+    behaviour_token_logp: Tensor,
+    mask: Tensor,
+    rewards: Tensor,
+    ref_logp: Tensor,
+    group_ids: Tensor,
+    *,
+    beta: float,
+    clip_eps: float = 0.2,
+    level: TrustRegion = "sequence",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """TB whose residuals stop pushing samples the policy has already moved (TBA').
+
+    Per-token tensors are (N, T), right-padded, with ``mask`` marking real response tokens (EOS
+    included); ``behaviour_token_logp`` are the log-probs under the policy that generated each
+    sample (stored with it). ``A_i = -residual_i`` is TB's advantage (:func:`tb_residuals`,
+    detached, with the current policy's log-probs in its KL term):
+
+        sequence:  rho_i  = exp(sum_t mask_it (token_logp_it - behaviour_token_logp_it))
+                   loss   = -(1/N) sum_i min(rho_i A_i, clip(rho_i, 1 - eps, 1 + eps) A_i)
+        token:     rho_it = exp(token_logp_it - behaviour_token_logp_it)
+                   loss   = -(1/N) sum_{i,t} mask_it min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i)
+
+    A sample (token) whose ratio left the band in the direction of its advantage gets no gradient
+    (the clipped branch is constant); one that moved the other way keeps its full gradient,
+    weighted by its ratio. The sequence ratio is the importance weight of the whole response,
+    which is what TB's sequence-level residual is about; a token ratio rarely leaves the band
+    (3.8% of tokens 12 steps stale on the embedded task, against 76% of sequences). Log-ratios
+    are clamped to [-20, 20] before ``exp``.
+
+    On-policy (rho = 1) the gradient w.r.t. each real token log-prob is ``-A_i / N``: exactly that
+    of :func:`tb_loss`.
+
+    Stats: ``clip_frac`` (share of sequences, or of real tokens, whose gradient the trust region
+    zeroed), ``log_z`` and ``kl`` (means over the batch).
+    """
+    validate_grouped(
+        mask,
+        group_ids,
+        {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp},
+        {"rewards": rewards, "ref_logp": ref_logp},
+    )
+    check_positive("beta", beta)
+    check_positive("clip_eps", clip_eps)
+    if level not in ("sequence", "token"):
+        raise ValueError(f"level must be 'sequence' or 'token', got {level!r}")
+    mask = mask.bool()
+    token_logp = masked(token_logp, mask)
+    log_ratio = token_logp - masked(behaviour_token_logp.detach(), mask)
+    logp = token_logp.sum(dim=1)
+    residual, log_z = tb_residuals(logp, ref_logp, rewards, group_ids, beta)
+    advantage = -residual.detach()
+    if level == "sequence":
+        objective, clipped = clipped_objective(log_ratio.sum(dim=1), advantage, clip_eps)
+        clip_frac = clipped.float().mean()
+    else:
+        objective, clipped = clipped_objective(log_ratio, advantage[:, None], clip_eps)
+        objective = objective.masked_fill(~mask, 0.0).sum(dim=1)
+        clip_frac = (clipped & mask).sum().float() / mask.sum()
+    loss = -objective.mean()
+    stats = {
+        "clip_frac": clip_frac,
+        "log_z": log_z.mean(),
+        "kl": (logp.detach() - ref_logp.detach().float()).mean(),
+    }
+    return loss, stats

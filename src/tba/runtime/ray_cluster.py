@@ -19,6 +19,10 @@ def ray_session(config: RunConfig) -> Iterator[None]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if config.ray.address is None:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        # Ray runs its workers at nice 15: whenever anything else wants the cores (the trainer,
+        # another job), the searchers get a few percent of a core, stop producing, and the
+        # trainer replays ever older samples. Searchers are half of the work: same priority.
+        os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     searchers = config.searchers

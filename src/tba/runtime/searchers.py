@@ -386,13 +386,21 @@ class RaySearchers:
             self._start(slot)
 
     def _check_timeout(self, i: int, issued: float) -> None:
+        """A searcher that is up must answer within `ray.sync_timeout_s`; one still starting
+        (loading its model) gets `ray.start_timeout_s`."""
         waited = time.time() - issued
-        if waited > self.timeout:
-            state = "answered" if self.slots[i].ready else "started"
+        if self.slots[i].ready and waited > self.timeout:
             raise SearcherError(
-                f"searcher {i} has not {state} for {waited:.0f} s (ray.sync_timeout_s="
-                f"{self.timeout:g}): it is stuck, or Ray cannot place it (it asks for "
-                f"{self.config.searchers.num_cpus:g} CPU, {self.config.searchers.num_gpus:g} GPU)"
+                f"searcher {i} has not answered for {waited:.0f} s (ray.sync_timeout_s="
+                f"{self.timeout:g}): it is stuck"
+            )
+        start_timeout = self.config.ray.start_timeout_s
+        if not self.slots[i].ready and waited > start_timeout:
+            sc = self.config.searchers
+            raise SearcherError(
+                f"searcher {i} has not started for {waited:.0f} s (ray.start_timeout_s="
+                f"{start_timeout:g}): it is stuck loading, or Ray cannot place it (it asks for "
+                f"{sc.num_cpus:g} CPU, {sc.num_gpus:g} GPU)"
             )
 
     def _latest_weights(self) -> tuple[int, Any]:

@@ -1,0 +1,88 @@
+"""Pieces shared by the objectives: per-prompt group means, input checks, masking, the KL-shaped
+reward and the PPO-style clipped surrogate. Every objective groups responses by an explicit
+integer prompt id, never by reshaping a batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0  # |log importance ratio| is clamped to this before exp (ratio <= ~4.9e8)
+
+
+def group_mean(values: Tensor, group_ids: Tensor) -> Tensor:
+    """Per-element mean of ``values`` over the group each element belongs to.
+
+    ``out_i = mean_{j : g_j = g_i} values_j`` where ``g = group_ids``. Groups are formed by the
+    explicit ids (any order, any values), never by reshaping. Differentiable in ``values``.
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = values.new_zeros(counts.numel()).index_add_(0, inverse, values)
+    return (sums / counts.to(values.dtype))[inverse]
+
+
+def validate_grouped(
+    mask: Tensor, group_ids: Tensor, per_token: dict[str, Tensor], per_seq: dict[str, Tensor]
+) -> None:
+    """Raise ``ValueError`` unless the inputs form a valid grouped batch of N x T tokens."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D (N, T), got shape {tuple(mask.shape)}")
+    for name, tensor in per_token.items():
+        if tensor.shape != mask.shape:
+            raise ValueError(
+                f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(tensor.shape)}"
+            )
+    n = mask.shape[0]
+    for name, tensor in {**per_seq, "group_ids": group_ids}.items():
+        if tensor.shape != (n,):
+            raise ValueError(f"{name} must have shape (N,) = ({n},), got {tuple(tensor.shape)}")
+    if n == 0:
+        raise ValueError("the loss needs a non-empty batch")
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError("mask must be boolean or contain only 0 and 1")
+    empty = (~mask.bool().any(dim=1)).nonzero().flatten()
+    if empty.numel() > 0:
+        raise ValueError(f"every sequence needs >= 1 real token; empty rows: {empty.tolist()}")
+    ids, counts = torch.unique(group_ids, return_counts=True)
+    small = ids[counts < 2]
+    if small.numel() > 0:
+        raise ValueError(
+            "every group needs >= 2 sequences for a baseline; "
+            f"singleton group ids: {small.tolist()}"
+        )
+
+
+def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if not (value >= 0 if allow_zero else value > 0):
+        raise ValueError(f"{name} must be {'>=' if allow_zero else '>'} 0, got {value}")
+
+
+def masked(token_values: Tensor, mask: Tensor) -> Tensor:
+    """float32 copy with padding set to 0 (padding may hold anything, even -inf)."""
+    return token_values.float().masked_fill(~mask, 0.0)
+
+
+def shaped_rewards(
+    rewards: Tensor, logp: Tensor, ref_logp: Tensor, beta: float
+) -> tuple[Tensor, Tensor]:
+    """``(r_tilde, kl)`` with ``kl = stopgrad(logp - ref_logp)`` and ``r_tilde = r - beta kl``."""
+    kl = logp.detach() - ref_logp.detach().float()
+    return rewards.detach().float() - beta * kl, kl
+
+
+def clipped_objective(
+    log_ratio: Tensor, advantage: Tensor, clip_eps: float
+) -> tuple[Tensor, Tensor]:
+    """PPO-clip ``o = min(rho A, clip(rho, 1-eps, 1+eps) A)`` with ``rho = exp(log_ratio)``.
+
+    Returns ``(o, clipped)``, where ``clipped`` marks entries whose clipped branch is active
+    (strictly smaller, so their gradient is zero). The log-ratio is clamped to
+    ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before ``exp`` so a stale sample cannot overflow.
+    """
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    unclipped = ratio * advantage
+    clipped_value = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantage
+    clipped = clipped_value < unclipped
+    return torch.where(clipped, clipped_value, unclipped), clipped
