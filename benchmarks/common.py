@@ -27,18 +27,18 @@ from safetensors.numpy import load_file
 
 from tba.base_policy import resolve_policy
 from tba.config import load_config
-from tba.evaluation import greedy_pass_at_1
+from tba.evaluation import EvalSettings, evaluate
 from tba.policy.model import load_model, set_weights
 from tba.policy.tokenizer import load_tokenizer
 from tba.rundir import read_metrics
-from tba.tasks import build_task
+from tba.tasks import load_task
 
 
 class Point(NamedTuple):
     minutes: float  # of training
     step: int
     samples: int  # fresh samples consumed (generated and merged) so far
-    pass_at_1: float  # greedy, held-out
+    value: float  # the task's headline held-out metric (math: greedy pass@1)
 
 
 @dataclass
@@ -103,13 +103,15 @@ def run_suite(
 
 
 def run_tba(run_dir: Path, overrides: list[str], minutes: float, snapshot_minutes: float) -> None:
-    """`tba train` for `minutes` of training, saving snapshots instead of evaluating in the run."""
+    """`tba train` for `minutes` of training, saving snapshots instead of evaluating in the run
+    (`overrides` come last: a method may set its own limits, e.g. a number of steps)."""
     command = [
-        sys.executable, "-m", "tba.cli", "train", *overrides,
+        sys.executable, "-m", "tba.cli", "train",
         f"train.max_minutes={minutes}", "train.max_steps=1000000", "eval.every=1000000",
         # The run's own evaluations (base and final) only cost wall-clock time here: keep small.
         "task.num_eval=64", "task.num_eval_pass_k=16", "eval.pass_k=4",
-        f"eval.snapshot_minutes={snapshot_minutes}", f"output_dir={run_dir}", "--overwrite",
+        f"eval.snapshot_minutes={snapshot_minutes}", *overrides, f"output_dir={run_dir}",
+        "--overwrite",
     ]  # fmt: skip
     run_logged(command, run_dir)
 
@@ -121,27 +123,31 @@ def run_logged(command: list[str], run_dir: Path) -> None:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
 
 
-def score_snapshots(run_dir: Path, num_eval: int) -> list[Point]:
-    """Greedy pass@1 of the base policy (minute 0) and of every snapshot of a run, on the first
-    `num_eval` held-out problems of seed 0."""
-    config = load_config(run_dir / "config.yaml")
-    task = build_task(config.task.name, num_train=1, num_eval=num_eval, seed=0)
+def score_snapshots(run_dir: Path, num_eval: int) -> list[dict]:
+    """The task's held-out metrics of the base policy (minute 0) and of every snapshot of a run,
+    with the evaluation set and seed of seed 0 for every run. Each point: minutes, step, fresh
+    samples consumed, `value` (the task's headline metric; math: greedy pass@1) and every metric.
+    """
+    config = load_config(run_dir / "config.yaml", [f"task.num_eval={num_eval}", "seed=0"])
+    task = load_task(config.task, seed=0, cache_dir=config.pretrain.cache_dir)
+    settings = EvalSettings.from_config(config)
     base = resolve_policy(config.policy.model, config.pretrain, config.seed)
     tokenizer = load_tokenizer(str(base))
     model = load_model(str(base), "cpu")
 
-    def score() -> float:
-        return greedy_pass_at_1(model, tokenizer, task.eval_rows, task.correct_fn,
-                                max_new_tokens=config.policy.max_new_tokens)  # fmt: skip
+    def point(minutes: float, step: int, samples: int) -> dict:
+        metrics = evaluate(model, tokenizer, task, settings)
+        return {"minutes": minutes, "step": step, "samples": samples,
+                "value": metrics[task.metrics[0]], "metrics": metrics}  # fmt: skip
 
-    curve = [Point(0.0, 0, 0, score())]
+    curve = [point(0.0, 0, 0)]
     samples = 0
     for record in read_metrics(run_dir / "metrics.jsonl"):
         # tba runs log the samples merged at each step; other trainers their running total.
         samples = record.get("samples", samples + record.get("samples_in", 0))
         if "snapshot" in record and record["step"] > 0:
             set_weights(model, load_file(run_dir / record["snapshot"]))
-            curve.append(Point(record["time"] / 60, record["step"], samples, score()))
+            curve.append(point(record["time"] / 60, record["step"], samples))
     return curve
 
 
@@ -164,14 +170,14 @@ class Aggregate:
     label: str
     grid: np.ndarray  # minutes
     runs: list[list[Point]]
-    mean: np.ndarray  # mean pass@1 over seeds at each grid point
+    mean: np.ndarray  # mean headline metric over seeds at each grid point
     std: np.ndarray  # its standard deviation over seeds (0 with one seed)
     samples: np.ndarray  # mean fresh samples consumed at each grid point
     summaries: list[dict]
 
     @property
     def base(self) -> float:
-        return float(np.mean([run[0].pass_at_1 for run in self.runs]))
+        return float(np.mean([run[0].value for run in self.runs]))
 
     def minutes_to(self, target: float) -> float | None:
         """When the mean curve first reaches `target` (linear between grid points)."""
@@ -181,12 +187,12 @@ class Aggregate:
         return [_first_crossing(*_curve_arrays(run)[:2], target) for run in self.runs]
 
     def final(self) -> tuple[float, float]:
-        ends = [run[-1].pass_at_1 for run in self.runs]
+        ends = [run[-1].value for run in self.runs]
         return float(np.mean(ends)), _std(ends)
 
     def lowest(self) -> float:
         """The lowest pass@1 any seed reached along the way, minus its base."""
-        return min(min(p.pass_at_1 for p in run) - run[0].pass_at_1 for run in self.runs)
+        return min(min(p.value for p in run) - run[0].value for run in self.runs)
 
     def mean_of(self, key: str) -> float:
         values = [s[key] for s in self.summaries if key in s]
@@ -207,15 +213,21 @@ def load_aggregates(results: dict, step: float) -> dict[str, Aggregate]:
     out = {}
     for name, entry in results.items():
         seeds = sorted(entry["runs"], key=int)
-        runs = [[Point(*p) for p in entry["runs"][s]["curve"]] for s in seeds]
+        runs = [[_point(p) for p in entry["runs"][s]["curve"]] for s in seeds]
         summaries = [entry["runs"][s] for s in seeds]
         out[name] = aggregate(entry["label"], runs, summaries, step)
     return out
 
 
+def _point(saved: dict | list) -> Point:
+    if isinstance(saved, dict):
+        return Point(saved["minutes"], saved["step"], saved["samples"], saved["value"])
+    return Point(*saved)  # results written before points carried every metric
+
+
 def _curve_arrays(run: list[Point]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     minutes = np.array([p.minutes for p in run])
-    return minutes, np.array([p.pass_at_1 for p in run]), np.array([p.samples for p in run])
+    return minutes, np.array([p.value for p in run]), np.array([p.samples for p in run])
 
 
 def _first_crossing(x: np.ndarray, y: np.ndarray, target: float) -> float | None:
@@ -251,14 +263,16 @@ def seeds_text(values: list[float | None], budget: float) -> str:
     return ", ".join(minutes_text(v, budget) for v in values)
 
 
-def print_table(aggregates: dict[str, Aggregate], args: argparse.Namespace) -> None:
-    """The standard table: time to target (mean curve, then each seed), pass@1 at the end
+def print_table(
+    aggregates: dict[str, Aggregate], args: argparse.Namespace, metric: str = "pass@1"
+) -> None:
+    """The standard table: time to target (mean curve, then each seed), the metric at the end
     (mean ± std over seeds), gain over the base, the lowest point along the way, throughput."""
     any_run = next(iter(aggregates.values()))
     print(f"\n{len(any_run.runs)} seed(s) per method, {args.minutes:g} min per run, "
-          f"{args.num_eval} held-out problems, target {args.target:.3f}, base "
+          f"{args.num_eval} held-out items, {metric} target {args.target:.3f}, base "
           f"{any_run.base:.3f}")  # fmt: skip
-    print("| method | minutes to target (mean curve; per seed) | pass@1 at end | gain | "
+    print(f"| method | minutes to target (mean curve; per seed) | {metric} at end | gain | "
           "lowest along the way | samples/s | steps | staleness (steps) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for agg in aggregates.values():
@@ -272,9 +286,12 @@ def print_table(aggregates: dict[str, Aggregate], args: argparse.Namespace) -> N
         )
 
 
-def plot(aggregates: dict[str, Aggregate], target: float, path: Path, title: str = "") -> None:
-    """Mean pass@1 with a band of ± one standard deviation over seeds, against wall-clock minutes
-    (left) and against fresh samples consumed (right)."""
+def plot(
+    aggregates: dict[str, Aggregate], target: float, path: Path, title: str = "",
+    metric: str = "held-out greedy pass@1",
+) -> None:  # fmt: skip
+    """The mean of the headline metric with a band of ± one standard deviation over seeds,
+    against wall-clock minutes (left) and against fresh samples consumed (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -291,7 +308,7 @@ def plot(aggregates: dict[str, Aggregate], target: float, path: Path, title: str
         ax.grid(alpha=0.3)
     by_time.set_xlabel("wall-clock minutes of training")
     by_samples.set_xlabel("fresh samples consumed (thousands)")
-    by_time.set_ylabel("held-out greedy pass@1 (mean ± std over seeds)")
+    by_time.set_ylabel(f"{metric} (mean ± std over seeds)")
     by_time.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
@@ -299,10 +316,13 @@ def plot(aggregates: dict[str, Aggregate], target: float, path: Path, title: str
     plt.close(fig)
 
 
-def finish(results: dict, args: argparse.Namespace, title: str) -> dict[str, Aggregate]:
+def finish(
+    results: dict, args: argparse.Namespace, title: str, metric: str = "pass@1"
+) -> dict[str, Aggregate]:
     """Aggregate, plot to `args.out`, print the table; returns the aggregates."""
     aggregates = load_aggregates(results, args.snapshot_minutes)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(aggregates, args.target, args.out / "curves.png", title)
-    print_table(aggregates, args)
+    label = "held-out greedy pass@1" if metric == "pass@1" else metric
+    plot(aggregates, args.target, args.out / "curves.png", title, label)
+    print_table(aggregates, args, metric)
     return aggregates

@@ -87,7 +87,7 @@ def step_seconds(run_dir) -> float:
 
 def gain_per_sample(agg: Aggregate) -> float:
     """pass@1 points gained per thousand fresh samples, from the base to the end (mean)."""
-    gains = [(run[-1].pass_at_1 - run[0].pass_at_1) / max(run[-1].samples, 1) * 1000
+    gains = [(run[-1].value - run[0].value) / max(run[-1].samples, 1) * 1000
              for run in agg.runs]  # fmt: skip
     return 100 * float(np.mean(gains))
 

@@ -103,7 +103,7 @@ def main() -> None:
         load.stop.set()
         load.thread.join()
         curve = score_snapshots(run_dir, args.num_eval)
-        scores = [p.pass_at_1 for p in curve]
+        scores = [p["value"] for p in curve]
         mean_load = float(np.mean(load.loads))
         rate = searcher_rate(run_dir, window)
         rows[name] = (rate, mean_load, rate / (cores / max(cores, mean_load)),

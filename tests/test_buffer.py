@@ -333,6 +333,52 @@ def test_distinct_prompts_across_groups_of_a_batch():
     assert len({g[0].prompt_id for g in buf.sample(13, 2, rng).groups}) == 10
 
 
+# --------------------------------------------------------------------- one prompt, many groups
+
+
+def test_a_single_prompt_gives_several_fresh_groups_when_it_has_the_samples():
+    # Red-teaming has one prompt: a batch of B groups still takes B * K fresh samples.
+    buf = ReplayBuffer(1000)
+    buf.add([make(0, 1) for _ in range(12)])
+    batch = buf.sample(3, 4, np.random.default_rng(0))
+    assert batch.fresh == 3 and batch.reused == 0
+    tags_drawn = [tag(s) for g in batch.groups for s in g]
+    assert len(set(tags_drawn)) == 12  # no sample twice
+    assert buf.fresh_prompts(4) == 0 and buf.sample(1, 4, np.random.default_rng(1)).fresh == 0
+
+
+# ------------------------------------------------------------------------------ deduplication
+
+
+def make_response(prompt_id: int, response: list[int], reward: float) -> Sample:
+    return Sample(prompt_id, [1], response, reward=reward, ref_logp=-1.0, behaviour_logp=-1.0,
+                  version=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dedup", "duplicate"), [("exact", [5, 6, 7]), ("near", [7, 5, 6, 6])]
+)
+def test_a_duplicate_replaces_the_stored_one_only_with_a_higher_reward(dedup, duplicate):
+    buf = ReplayBuffer(100, dedup=dedup)
+    buf.add([make_response(0, [5, 6, 7], 0.5), make_response(1, [5, 6, 7], 0.1)])
+    buf.add([make_response(0, duplicate, 0.2)])  # lower reward: turned away
+    assert len(buf) == 2 and buf.duplicates == 1
+    buf.add([make_response(0, duplicate, 0.9)])  # higher: replaces it
+    assert len(buf) == 2 and buf.duplicates == 2
+    stored = buf.state_dict()["prompts"]
+    rewards = {pid: [sample["reward"] for _, sample in entries] for pid, entries in stored}
+    assert rewards == {0: [0.9], 1: [0.1]}  # other prompts' responses are not duplicates
+
+
+def test_near_duplicates_are_distinct_without_near_dedup():
+    buf = ReplayBuffer(100, dedup="exact")
+    buf.add([make_response(0, [5, 6, 7], 0.5), make_response(0, [7, 6, 5], 0.5)])
+    assert len(buf) == 2 and buf.duplicates == 0
+    loaded = ReplayBuffer.from_state_dict(buf.state_dict(), dedup="exact")
+    loaded.add([make_response(0, [7, 6, 5], 0.1)])
+    assert len(loaded) == 2 and loaded.duplicates == 1
+
+
 # -------------------------------------------------------------------------------- staleness
 
 

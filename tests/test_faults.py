@@ -58,7 +58,7 @@ def test_bad_return_values_drop_the_affected_completions(returned, reason, dropp
     def bad(prompts, completions, **_):
         return returned
 
-    totals, parts, faults = score(bad)
+    totals, parts, faults, _ = score(bad)
     assert sum(math.isnan(t) for t in totals) == dropped  # dropped, never scored as 0
     assert all(t == 1.0 + v for t, v in zip(totals, parts["bad"]) if not math.isnan(t))
     assert faults == [("bad", reason, dropped)]
@@ -71,11 +71,11 @@ def test_a_raising_or_hanging_function_drops_its_call():
     def hangs(prompts, completions, **_):
         time.sleep(30)
 
-    totals, _, faults = score(raises)
+    totals, _, faults, _ = score(raises)
     assert all(math.isnan(t) for t in totals)
     assert faults == [("raises", "raised KeyError: 'no such column'", 4)]
     start = time.time()
-    totals, _, faults = score(hangs, timeout_s=0.2)
+    totals, _, faults, _ = score(hangs, timeout_s=0.2)
     assert time.time() - start < 5
     assert all(math.isnan(t) for t in totals)
     assert faults == [("hangs", "did not return within 0.2 s", 4)]
@@ -97,6 +97,21 @@ def test_a_function_failing_call_after_call_stops_the_run():
         scorer.score(PROMPTS, COMPLETIONS, {})
 
 
+def test_reward_functions_can_log_extra_columns_like_trl():
+    def logs(prompts, completions, log_extra=None, **_):
+        log_extra("length", [len(c) for c in completions])
+        log_extra("wrong_length", [0.0])  # not one per completion: ignored
+        return [0.5] * len(completions)
+
+    def plain(prompts, completions, answer):  # no **kwargs: gets no log_extra
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([logs, plain], timeout_s=5.0, max_failures=3)
+    totals, parts, faults, extras = scorer.score(PROMPTS, COMPLETIONS, {"answer": [1] * 4})
+    assert totals == [1.5] * 4 and faults == []
+    assert extras == {"length": [1, 1, 1, 1]}
+
+
 def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
     def half_none(prompts, completions, **_):
         return [None if i % 2 else 1.0 for i in range(len(completions))]
@@ -106,7 +121,7 @@ def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
     rows = [{"prompt": "Q1\n"}, {"prompt": "Q2\n"}]
     searcher = Searcher(tiny_model, tokenizer, rows, [half_none], settings)
     truncated = [False, False, False, False, False, True, False, False]
-    totals, _, dropped = searcher._score([0] * 4 + [1] * 4, ["1"] * 8, truncated)
+    totals, _, _, dropped = searcher._score([0] * 4 + [1] * 4, ["1"] * 8, truncated)
     # Truncated responses get the penalty whatever the reward says; the others need a reward.
     assert [t if not math.isnan(t) else None for t in totals] == [
         1.0, None, 1.0, None, 1.0, -1.0, 1.0, None

@@ -269,6 +269,37 @@ def test_trust_region_level_is_checked() -> None:
         tb_trust_region_loss(*batch, beta=BETA, level="batch")
 
 
+def test_learned_log_z_gets_the_residual_as_gradient_and_allows_groups_of_one() -> None:
+    logp, ref_logp, rewards, _ = make_batch(seed=16)
+    group_ids = torch.arange(logp.numel())  # every sequence a prompt of its own
+    logp.requires_grad_(True)
+    log_z = torch.linspace(-3, 3, logp.numel(), dtype=torch.float64, requires_grad=True)
+    loss, returned = tb_loss(logp, ref_logp, rewards, group_ids, beta=BETA, log_z=log_z)
+    loss.backward()
+    delta = logp.detach() - ref_logp - rewards / BETA
+    expected = BETA / logp.numel() * (log_z.detach() + delta)
+    assert torch.allclose(log_z.grad, expected, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(logp.grad, expected, rtol=1e-5, atol=1e-6)
+    assert not returned.requires_grad and torch.allclose(returned.double(), log_z.detach())
+
+
+def test_trust_region_trains_a_learned_log_z_without_moving_the_advantage() -> None:
+    token_logp, behaviour, mask, rewards, ref_logp, group_ids = make_token_batch(17, True)
+    log_z = torch.zeros(group_ids.numel(), dtype=torch.float64, requires_grad=True)
+    loss, stats = tb_trust_region_loss(
+        token_logp, behaviour, mask, rewards, ref_logp, group_ids, beta=BETA, log_z=log_z
+    )
+    loss.backward()
+    logp = (token_logp.detach().nan_to_num(0.0) * mask).sum(dim=1)
+    delta = logp - ref_logp - rewards / BETA
+    n = group_ids.numel()
+    assert torch.allclose(log_z.grad, BETA / n * (log_z.detach() + delta), rtol=1e-5, atol=1e-6)
+    # On-policy, each token's gradient is -A_i / N with A_i = -beta (log_z_i + delta_i).
+    expected = (BETA * delta / n)[:, None] * mask
+    assert torch.allclose(token_logp.grad, expected, rtol=1e-5, atol=1e-6)
+    assert stats["log_z"].item() == 0.0
+
+
 def test_beta_schedule_constant() -> None:
     schedule = BetaSchedule(0.05)
     assert [schedule(p) for p in (-1.0, 0.0, 0.3, 1.0, 2.0)] == [0.05] * 5

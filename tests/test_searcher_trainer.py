@@ -157,3 +157,29 @@ def test_clipped_losses_need_per_token_behaviour_logps(tiny_model, tokenizer):
                       max_grad_norm=1.0, loss="dr_grpo")  # fmt: skip
     with pytest.raises(ValueError, match="per-token behaviour log-probs"):
         trainer.step([group], beta=0.1)
+
+
+def test_learned_log_z_starts_at_vargrad_and_survives_a_checkpoint(tiny_model, tokenizer):
+    prompt = tokenizer("Q\n")["input_ids"]
+    group = [
+        Sample(7, prompt, tokenizer(t, add_special_tokens=False)["input_ids"], reward=r,
+               ref_logp=-2.0, behaviour_logp=-2.0, behaviour_token_logps=[-1.0, -1.0], version=0)
+        for t, r in [("12", 1.0), ("34", 0.0), ("56", 0.5)]
+    ]  # fmt: skip
+    with torch.no_grad():
+        responses = [s.response_ids for s in group]
+        logp = sequence_logprobs(tiny_model, [prompt] * 3, responses, pad_id=0)
+    beta = 0.5
+    vargrad = float((torch.tensor([1.0, 0.0, 0.5]) / beta - logp - 2.0).mean())  # ref_logp -2
+    trainer = Trainer(tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0,
+                      learning_rate=0.0, max_grad_norm=1.0, log_z="learned",
+                      log_z_lr=0.0)  # fmt: skip
+    trainer.step([group], beta=beta)
+    assert trainer.log_z_head.ready
+    assert trainer.log_z_head.head.bias.item() == pytest.approx(vargrad, abs=1e-4)
+    model, optimizer, meta = trainer.state_dict()
+    other = Trainer(tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0,
+                    learning_rate=0.0, max_grad_norm=1.0, log_z="learned")  # fmt: skip
+    other.load_state_dict(model, optimizer, meta)
+    assert other.log_z_head.ready
+    assert other.log_z_head.head.bias.item() == pytest.approx(vargrad, abs=1e-4)

@@ -1,5 +1,6 @@
-"""Where the policy comes from: the built-in tiny math policy (pretrained once, then cached), a
-directory saved with `save_pretrained`, or a model on the Hugging Face Hub.
+"""Where the policy comes from: a built-in tiny model (`builtin:math`, the math policy;
+`builtin:redteam`, the red-teaming world's attacker), pretrained once and cached, a directory
+saved with `save_pretrained`, or a model on the Hugging Face Hub.
 
 A Hub id is resolved here, in the `tba train` process, to a local snapshot in the Hub cache
 (downloaded once; `HF_HUB_OFFLINE=1` uses the cache only), and every searcher loads that same
@@ -15,10 +16,12 @@ import shutil
 from pathlib import Path
 
 from tba.config import PretrainConfig
-from tba.pretrain import pretrain_math_policy
+from tba.pretrain import build_redteam_world, pretrain_math_policy
 from tba.tasks import math as math_task
+from tba.tasks import redteam_world
 
 BUILTIN = "builtin:math"
+BUILTIN_REDTEAM = "builtin:redteam"
 
 
 def builtin_policy_dir(pretrain: PretrainConfig, seed: int) -> Path:
@@ -31,8 +34,24 @@ def builtin_policy_dir(pretrain: PretrainConfig, seed: int) -> Path:
     return Path(pretrain.cache_dir).expanduser() / f"math-{key}"
 
 
+def redteam_world_dir(pretrain: PretrainConfig, log=print) -> Path:
+    """The embedded red-teaming world (attacker/, victim/, classifier/), built once: the world is
+    the task, so it is the same for every run seed."""
+    target = Path(pretrain.cache_dir).expanduser() / f"redteam-v{redteam_world.VERSION}"
+    if (target / "classifier" / "config.json").exists():
+        return target
+    log(f"building the red-teaming world (once) into {target}")
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    build_redteam_world(staging, seed=0, log=log)
+    staging.rename(target)
+    return target
+
+
 def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -> Path:
     """A local directory holding the policy's weights and tokenizer, building it when needed."""
+    if model == BUILTIN_REDTEAM:
+        return redteam_world_dir(pretrain, log) / "attacker"
     if model != BUILTIN:
         path = Path(model).expanduser()
         if path.is_dir():

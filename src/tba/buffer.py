@@ -22,7 +22,7 @@ from __future__ import annotations
 import gzip
 import heapq
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +50,7 @@ class Sample:
     created_at: float = 0.0
     truncated: bool = False
     reward_parts: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # logged by reward functions
     # Per response token; the clipped-ratio baselines need them, TB does not.
     behaviour_token_logps: list[float] | None = None
     # (searcher_id, incarnation, seq) names a sample uniquely within a run: the trainer checks
@@ -72,7 +73,7 @@ class _PromptPool:
         self.prompt_ids = prompt_ids
         self._unused = list(prompt_ids)
 
-    def draw(self, rng: np.random.Generator, used: set[int]) -> int | None:
+    def draw(self, rng: np.random.Generator, used: Container[int]) -> int | None:
         """A prompt not used yet in this batch, or None when every one of them is."""
         # Swap-remove keeps each draw O(1); prompts taken through another pool are dropped lazily.
         while self._unused:
@@ -86,7 +87,7 @@ class _PromptPool:
 
 
 def _pick_prompt(
-    pools: Sequence[_PromptPool], used: set[int], rng: np.random.Generator
+    pools: Sequence[_PromptPool], used: Container[int], rng: np.random.Generator
 ) -> int | None:
     """An unused prompt from the first pool that still has one: earlier pools are preferred."""
     for pool in pools:
@@ -169,6 +170,14 @@ def _validate_sampling_args(
         raise ValueError(f"reward_temperature must be > 0, got {reward_temperature}")
 
 
+# What makes two responses of a prompt duplicates of each other.
+DEDUP_KEYS: dict[str, Callable[[list[int]], Hashable]] = {
+    "none": lambda ids: None,
+    "exact": tuple,  # the same tokens
+    "near": frozenset,  # the same set of tokens, in any order and number
+}
+
+
 class ReplayBuffer:
     """Bounded store of samples keyed by prompt, with MOP group sampling.
 
@@ -185,12 +194,16 @@ class ReplayBuffer:
         recent_prob: float = 1.0,
         reward_weight: float = 0.0,
         reward_temperature: float = 1.0,
+        dedup: str = "none",
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if per_prompt_capacity is not None and per_prompt_capacity < 1:
             raise ValueError(f"per_prompt_capacity must be >= 1, got {per_prompt_capacity}")
         _validate_sampling_args(recent_prob, reward_weight, reward_temperature)
+        if dedup not in DEDUP_KEYS:
+            raise ValueError(f"dedup must be one of {', '.join(DEDUP_KEYS)}, got {dedup!r}")
+        self.dedup = dedup
         self.capacity = capacity
         self.per_prompt_capacity = per_prompt_capacity
         self.recent_prob = recent_prob
@@ -211,6 +224,9 @@ class ReplayBuffer:
         self._size = 0
         self._next_seq = 0
         self._last_batch: set[tuple[int, ...]] = set()  # the previous batch's groups, as seqs
+        # With dedup: prompt_id -> {response key: seq}, and how many samples it turned away.
+        self._keys: dict[int, dict[Hashable, int]] = {}
+        self.duplicates = 0
 
     @classmethod
     def from_config(cls, config: BufferConfig) -> ReplayBuffer:
@@ -220,6 +236,7 @@ class ReplayBuffer:
             recent_prob=config.recent_prob,
             reward_weight=config.reward_weight,
             reward_temperature=config.reward_temperature,
+            dedup=config.dedup,
         )
 
     def __len__(self) -> int:
@@ -242,11 +259,18 @@ class ReplayBuffer:
     def add(self, samples: Iterable[Sample]) -> int:
         """Insert samples (fresh), then evict down to capacity. Returns the number evicted.
 
+        With `dedup`, a sample whose response duplicates one of its prompt's (`exact`: the same
+        tokens; `near`: the same set of tokens, in any order and number) replaces it when its
+        reward is higher and is turned away otherwise (either way counted in `duplicates`).
+
         Evicting once after the batch keeps the same samples as evicting after every insertion:
         both retain the largest (version, insertion) keys, so batching is only an optimisation.
         """
         touched: dict[int, None] = {}
         for s in samples:
+            if not self._make_room_for(s):
+                self.duplicates += 1
+                continue
             self._insert(s, self._next_seq, fresh=True)
             self._next_seq += 1
             touched[s.prompt_id] = None
@@ -262,8 +286,24 @@ class ReplayBuffer:
         self._compact_heap()
         return evicted
 
+    def _make_room_for(self, s: Sample) -> bool:
+        """With dedup: False when `s` duplicates a stored sample of higher or equal reward;
+        otherwise removes the worse duplicate, if any, and returns True."""
+        if self.dedup == "none":
+            return True
+        seq = self._keys.get(s.prompt_id, {}).get(DEDUP_KEYS[self.dedup](s.response_ids))
+        if seq is None:
+            return True
+        if self._prompts[s.prompt_id][seq].reward >= s.reward:
+            return False
+        self.duplicates += 1
+        self._remove(s.prompt_id, seq)
+        return True
+
     def _insert(self, s: Sample, seq: int, fresh: bool) -> None:
         self._prompts.setdefault(s.prompt_id, {})[seq] = s
+        if self.dedup != "none":
+            self._keys.setdefault(s.prompt_id, {})[DEDUP_KEYS[self.dedup](s.response_ids)] = seq
         if fresh:
             self._fresh.setdefault(s.prompt_id, {})[seq] = None
         counts = self._versions.setdefault(s.version, {})
@@ -276,6 +316,11 @@ class ReplayBuffer:
         s = samples.pop(seq)
         if not samples:
             del self._prompts[prompt_id]
+        if self.dedup != "none":
+            keys = self._keys[prompt_id]
+            del keys[DEDUP_KEYS[self.dedup](s.response_ids)]
+            if not keys:
+                del self._keys[prompt_id]
         self._mark_trained(prompt_id, [seq])
         counts = self._versions[s.version]
         counts[prompt_id] -= 1
@@ -329,7 +374,9 @@ class ReplayBuffer:
 
     def sample(self, num_groups: int, group_size: int, rng: np.random.Generator) -> Batch:
         """Draw ``num_groups`` MOP groups of ``group_size`` samples, each from a single prompt;
-        every sample drawn stops being fresh."""
+        every sample drawn stops being fresh. A batch takes distinct prompts while it can; a
+        prompt with K fresh samples left after its first group (many samples per visit, or a task
+        with a single prompt) gives fresh groups again."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         if group_size < 2:
@@ -338,12 +385,17 @@ class ReplayBuffer:
             raise ValueError("cannot sample from an empty replay buffer")
         fresh_pools = self._fresh_pools(group_size)
         replay_pools = self._replay_pools(group_size)
-        used: set[int] = set()
+        used: dict[int, None] = {}  # prompts of this batch, in order
         batch = Batch([])
-        drawn: list[tuple[int, list[int]]] = []
+        signatures = set()
         for _ in range(num_groups):
-            recent = rng.random() < self.recent_prob
-            prompt_id = _pick_prompt(fresh_pools, used, rng) if recent else None
+            prompt_id = None
+            if rng.random() < self.recent_prob:
+                prompt_id = _pick_prompt(fresh_pools, used, rng)
+                if prompt_id is None:
+                    prompt_id = next(
+                        (p for p in used if len(self._fresh.get(p, ())) >= group_size), None
+                    )
             if prompt_id is not None:
                 seqs = self._fresh_group(prompt_id, group_size)
                 batch.fresh += 1
@@ -352,10 +404,7 @@ class ReplayBuffer:
                 if prompt_id is None:  # more groups than prompts
                     prompt_id = _repeat_prompt(replay_pools, rng)
                 seqs = self._replay_group(prompt_id, group_size, rng)
-            used.add(prompt_id)
-            drawn.append((prompt_id, seqs))
-        signatures = set()
-        for prompt_id, seqs in drawn:
+            used[prompt_id] = None
             fresh = self._fresh.get(prompt_id, {})
             batch.reused += not any(seq in fresh for seq in seqs)
             signature = tuple(sorted(seqs))
@@ -363,7 +412,6 @@ class ReplayBuffer:
             signatures.add(signature)
             samples = self._prompts[prompt_id]
             batch.groups.append(_fill_group([samples[seq] for seq in seqs], group_size, rng))
-        for prompt_id, seqs in drawn:
             self._mark_trained(prompt_id, seqs)
         self._last_batch = signatures
         return batch
@@ -445,6 +493,7 @@ class ReplayBuffer:
                 for prompt_id, samples in self._prompts.items()
             ],
             "fresh": [seq for fresh in self._fresh.values() for seq in fresh],
+            "duplicates": self.duplicates,
             "last_batch": sorted(list(group) for group in self._last_batch),
         }
 
@@ -460,6 +509,7 @@ class ReplayBuffer:
                 self._insert(Sample.from_dict(sample), seq, fresh=seq in fresh)
         self._next_seq = d["next_seq"]
         self._last_batch = {tuple(group) for group in d.get("last_batch", ())}
+        self.duplicates = d.get("duplicates", 0)
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any], **sampling: float) -> ReplayBuffer:

@@ -27,7 +27,8 @@ class Section(BaseModel):
 class PolicyConfig(Section):
     model: str = Field(
         "builtin:math",
-        description="`builtin:math` (the embedded tiny policy, built on first use), a directory "
+        description="`builtin:math` (the embedded tiny policy, built on first use; "
+        "`builtin:redteam` for the red-teaming task), a directory "
         "saved with `save_pretrained`, or a Hugging Face Hub model id (downloaded once into the "
         "Hub cache; `HF_HUB_OFFLINE=1` uses the cache only); also the reference policy",
     )
@@ -66,12 +67,46 @@ class PretrainConfig(Section):
 
 
 DATASET_TASKS = ("gsm8k", "competition_math", "tldr")
+EMBEDDED_TASKS = ("math", "redteam")
+
+
+class RedteamConfig(Section):
+    """Red-teaming (`task.name=redteam`): the policy writes attacks on a frozen victim LM; a
+    classifier scores the victim's answers. `builtin` models are the embedded world's."""
+
+    victim_model: str = Field(
+        "builtin", description="the victim: a causal LM, directory or Hub id (`builtin`: the "
+        "embedded world's)",
+    )
+    victim_template: str = Field(
+        "{attack} =>", description="the victim's prompt, `{attack}` replaced by the attack"
+    )
+    victim_samples: int = Field(5, ge=1, description="victim answers per attack")
+    victim_max_new_tokens: int = Field(12, ge=1, description="length limit of an answer")
+    victim_temperature: float = Field(1.0, gt=0, description="sampling temperature of the victim")
+    classifier_model: str = Field(
+        "builtin", description="P(harmful) of an answer: a sequence-classification model, "
+        "directory or Hub id (`builtin`: the embedded world's)",
+    )
+    harmful_label: int = Field(1, ge=0, description="the classifier's label index of harmful")
+    embedding_model: str | None = Field(
+        None, description="diversity: mean-pooled hidden states of this model (directory or Hub "
+        "id); default TF-IDF of word unigrams and bigrams",
+    )
+    min_attack_words: int = Field(
+        3, ge=0, description="shorter attacks get the lowest reward, log 1e-4"
+    )
+    prompt: str | None = Field(
+        None, description="the fixed prompt that asks the policy for an attack (default: the "
+        "embedded world's few-shot prompt)",
+    )
 
 
 class TaskConfig(Section):
-    name: Literal["math", "gsm8k", "competition_math", "tldr"] = Field(
-        "math", description="`math`: the embedded synthetic task; `gsm8k`, `competition_math` "
-        "(MATH, `\\boxed{}` answers) and `tldr` (reward-model summaries) read real data",
+    name: Literal["math", "redteam", "gsm8k", "competition_math", "tldr"] = Field(
+        "math", description="`math` and `redteam`: embedded synthetic tasks (red-teaming a "
+        "frozen victim); `gsm8k`, `competition_math` (MATH, `\\boxed{}` answers) and `tldr` "
+        "(reward-model summaries) read real data",
     )
     num_train: int | None = Field(
         5000, ge=1, description="training prompts (a dataset's first N rows; null: all)"
@@ -122,21 +157,22 @@ class TaskConfig(Section):
         "auto", description="device of the reward models in each process, as policy.device"
     )
     reward_batch_size: int = Field(32, ge=1, description="texts per reward-model forward pass")
+    redteam: RedteamConfig = RedteamConfig()
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
         data_keys = ["train_path", "eval_path", "dataset", "dataset_config", "eval_dataset",
                      "eval_dataset_config", "prompt_template", "answer_field", "reward_model",
                      "eval_reward_model"]  # fmt: skip
-        if self.name == "math":
+        if self.name in EMBEDDED_TASKS:
             given = [key for key in data_keys if getattr(self, key) is not None]
             if given:
                 raise ValueError(
                     f"task.{given[0]} applies to the dataset tasks ({', '.join(DATASET_TASKS)}), "
-                    "not to the embedded math task"
+                    f"not to the embedded {self.name} task"
                 )
             if self.num_train is None or self.num_eval is None:
-                raise ValueError("the embedded math task needs task.num_train and task.num_eval")
+                raise ValueError(f"the {self.name} task needs task.num_train and task.num_eval")
             return self
         if self.train_path is None and self.dataset is None:
             raise ValueError(f"task.name={self.name} needs task.train_path or task.dataset")
@@ -171,6 +207,11 @@ class TrainConfig(Section):
     clip_eps: float = Field(
         0.2, gt=0, description="ratio clip of tb's trust region, dr_grpo, grpo and proximal_rloo"
     )
+    log_z: Literal["vargrad", "learned"] = Field(
+        "vargrad", description="tb: log Z(x) estimated per group (VarGrad, needs K >= 2) or "
+        "learned with the policy (a linear head on the prompt's mean input embedding)",
+    )
+    log_z_lr: float = Field(1e-2, gt=0, description="Adam learning rate of a learned log Z")
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
     learning_rate: float = Field(5e-5, gt=0, description="Adam learning rate of the policy")
@@ -247,6 +288,10 @@ class BufferConfig(Section):
         0.0, ge=0, le=1, description="replay: weight of softmax(r/T) against uniform"
     )
     reward_temperature: float = Field(1.0, gt=0, description="replay: T in softmax(r/T)")
+    dedup: Literal["none", "exact", "near"] = Field(
+        "none", description="a response that duplicates one of its prompt's (`exact`: same "
+        "tokens; `near`: same set of tokens) replaces it if its reward is higher, else is dropped",
+    )
     max_staleness: int | None = Field(
         None, ge=0, description="drop samples of weights published more than this many optimizer "
         "steps ago (the newest published weights are always kept)",
@@ -261,7 +306,8 @@ class SearchersConfig(Section):
         "process, without Ray (sync mode only)",
     )
     prompts_per_batch: int | None = Field(
-        None, ge=1, description="async: prompts per generation batch of each searcher (default: B)"
+        None, ge=1, description="prompts per generation batch of each searcher (async), or "
+        "generated per step in all (sync) (default: B)",
     )
     max_unsent_samples: int = Field(
         4096, ge=1, description="async: a searcher pauses while this many of its samples "
@@ -354,12 +400,34 @@ class RunConfig(Section):
 # ---------------------------------------------------------------------------- loading
 
 
+# Defaults that differ per task, applied where the file and the overrides leave a key unset.
+TASK_PRESETS: dict[str, dict[str, Any]] = {
+    "redteam": {
+        "policy.model": "builtin:redteam",
+        "policy.max_new_tokens": 12,
+        "train.num_prompts": 4,
+        "train.group_size": 32,
+        "train.learning_rate": 1e-4,
+        "train.beta": 0.2,
+        "buffer.recent_prob": 0.5,
+        "buffer.reward_weight": 1.0,
+        "buffer.dedup": "near",
+        "task.num_eval": 512,
+    },
+}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Defaults, then the YAML file (if any), then `a.b=value` overrides (values parsed as YAML)."""
+    """Defaults (the task's own where `TASK_PRESETS` has some), then the YAML file (if any), then
+    `a.b=value` overrides (values parsed as YAML)."""
     data = _read_yaml(Path(path)) if path is not None else {}
     for override in overrides:
         key, value = _parse_override(override)
         _set_nested(data, key, value)
+    task = data.get("task", {}).get("name") if isinstance(data.get("task"), dict) else None
+    for key, value in TASK_PRESETS.get(task, {}).items():
+        if not _has_nested(data, key):
+            _set_nested(data, key, value)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
@@ -418,6 +486,15 @@ def _set_nested(data: dict[str, Any], dotted_key: str, value: Any) -> None:
             raise ConfigError(f"{dotted_key}: {part} is a value, not a section")
         node = child
     node[leaf] = value
+
+
+def _has_nested(data: dict[str, Any], dotted_key: str) -> bool:
+    node: Any = data
+    for part in dotted_key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _first_error_line(error: ValidationError) -> str:

@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy pass@1 and sampled pass@k.
+"""Held-out evaluation: a task's own (`Task.evaluate`), or greedy pass@1 and sampled pass@k.
 
 pass@k here is the fraction of problems with at least one correct answer among k samples (the
 plain estimator with n = k; the unbiased estimator of Chen et al. equals it when n = k).
@@ -6,12 +6,61 @@ plain estimator with n = k; the unbiased estimator of Chen et al. equals it when
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.policy.sampling import generate
 from tba.policy.tokenizer import encode_prompts
-from tba.tasks import RewardFn
+from tba.tasks import RewardFn, Task
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How a policy is evaluated (from the run's config)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0  # of the sampled metrics
+    batch_size: int = 256
+    seed: int = 0
+    chat_template: bool = False
+    pass_k: int = 16
+    num_pass_k: int = 128  # problems of the pass@k estimate
+    full: bool = False  # the costly metrics too (pass@k): at the start and the end of a run
+
+    @classmethod
+    def from_config(cls, config, full: bool = False) -> EvalSettings:
+        return cls(
+            max_new_tokens=config.policy.max_new_tokens, temperature=config.policy.temperature,
+            batch_size=config.eval.batch_size, seed=config.seed,
+            chat_template=config.policy.chat_template, pass_k=config.eval.pass_k,
+            num_pass_k=config.task.num_eval_pass_k, full=full,
+        )  # fmt: skip
+
+
+def evaluate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, settings: EvalSettings
+) -> dict[str, float]:
+    """The task's held-out metrics: its own evaluation, else greedy pass@1 of `task.correct_fn`
+    on `task.eval_rows` (and, with `settings.full`, sampled pass@k and pass@1)."""
+    if task.evaluate is not None:
+        return task.evaluate(model, tokenizer, settings)
+    result = {
+        "eval_pass@1": greedy_pass_at_1(
+            model, tokenizer, task.eval_rows, task.correct_fn,
+            max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
+            chat_template=settings.chat_template,
+        )
+    }  # fmt: skip
+    if settings.full:
+        result |= sampled_pass_at_k(
+            model, tokenizer, task.eval_rows[: settings.num_pass_k], task.correct_fn,
+            k=settings.pass_k, max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature, seed=settings.seed,
+            batch_size=2 * settings.batch_size, chat_template=settings.chat_template,
+        )  # fmt: skip
+    return result
 
 
 def _correct(

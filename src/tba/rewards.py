@@ -1,15 +1,20 @@
 """Calling the user's reward functions without letting one bad call cost the run.
 
 A reward function is `fn(prompts, completions, **columns) -> list[float]`, one finite number per
-completion. When a call raises, does not return within `timeout_s`, returns None, a list of the
-wrong length, or None/NaN/inf for some completions, the completions it failed on are dropped and
-counted (never scored as 0, which would teach the policy that they were wrong), and the fault is
-reported with the function's name and the reason. A function whose last `max_failures` calls all
-failed stops the run with `RewardError`: it is broken, not unlucky.
+completion. A function that takes `log_extra` (by name or through `**kwargs`) gets TRL's
+callable `log_extra(column, values)`: one value per completion, kept with each sample as
+`extras[column]` (e.g. the red-teaming reward's `toxicity`).
+
+When a call raises, does not return within `timeout_s`, returns None, a list of the wrong length,
+or None/NaN/inf for some completions, the completions it failed on are dropped and counted (never
+scored as 0, which would teach the policy that they were wrong), and the fault is reported with
+the function's name and the reason. A function whose last `max_failures` calls all failed stops
+the run with `RewardError`: it is broken, not unlucky.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import threading
@@ -50,6 +55,15 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+def _takes(fn: RewardFn, name: str) -> bool:
+    """Whether `fn` accepts the keyword argument `name` (explicitly or through **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def _as_reward(value: Any) -> float:
     """A finite float (True counts as 1), or NaN for anything else (None, NaN, inf, a string)."""
     if not isinstance(value, numbers.Real):
@@ -69,14 +83,21 @@ class RewardScorer:
 
     def score(
         self, prompts: list[str], completions: list[str], columns: dict[str, list]
-    ) -> tuple[list[float], dict[str, list[float]], list[tuple[str, str, int]]]:
-        """(totals, values per function, faults). A fault is (function, reason, completions
-        affected); a total is NaN where some function gave no usable value."""
+    ) -> tuple[list[float], dict[str, list[float]], list[tuple[str, str, int]], dict[str, list]]:
+        """(totals, values per function, faults, extra columns). A fault is (function, reason,
+        completions affected); a total is NaN where some function gave no usable value."""
         parts: dict[str, list[float]] = {}
         faults: list[tuple[str, str, int]] = []
+        extras: dict[str, list] = {}
+
+        def log_extra(column: str, values: list) -> None:
+            if len(values) == len(completions):  # one per completion, or not at all
+                extras[column] = list(values)
+
         for fn in self.reward_fns:
             name = _name(fn)
-            values, reason = self._call(fn, prompts, completions, columns)
+            kwargs = columns | ({"log_extra": log_extra} if _takes(fn, "log_extra") else {})
+            values, reason = self._call(fn, prompts, completions, kwargs)
             parts[name] = values
             bad = sum(math.isnan(v) for v in values)
             if reason is not None:
@@ -89,7 +110,7 @@ class RewardScorer:
                     f"(searchers.max_reward_failures); last: {reason}"
                 )
         totals = [math.fsum(values) for values in zip(*parts.values())]
-        return totals, parts, faults
+        return totals, parts, faults, extras
 
     def _call(
         self, fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]

@@ -40,6 +40,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tba import evaluation
 from tba.base_policy import resolve_policy
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import (
@@ -52,13 +53,14 @@ from tba.checkpoint import (
 )
 from tba.config import RunConfig, dump_config
 from tba.errors import CheckpointError, TrainingError
-from tba.evaluation import greedy_pass_at_1, sampled_pass_at_k
+from tba.evaluation import EvalSettings
 from tba.objectives import BetaSchedule
 from tba.policy.model import load_policy, resolve_device, save_policy, snapshot_weights
 from tba.policy.tokenizer import load_tokenizer
 from tba.rundir import (
     EventLog,
     MetricsLog,
+    SampleLog,
     create_run_dir,
     plot_curves,
     read_metrics,
@@ -78,21 +80,7 @@ def seed_everything(seed: int) -> None:
 
 
 def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -> dict[str, float]:
-    result = {
-        "eval_pass@1": greedy_pass_at_1(
-            model, tokenizer, task.eval_rows, task.correct_fn,
-            max_new_tokens=config.policy.max_new_tokens, batch_size=config.eval.batch_size,
-            chat_template=config.policy.chat_template,
-        )
-    }  # fmt: skip
-    if pass_k:
-        result |= sampled_pass_at_k(
-            model, tokenizer, task.eval_rows[: config.task.num_eval_pass_k], task.correct_fn,
-            k=config.eval.pass_k, max_new_tokens=config.policy.max_new_tokens,
-            temperature=config.policy.temperature, seed=config.seed,
-            batch_size=2 * config.eval.batch_size, chat_template=config.policy.chat_template,
-        )  # fmt: skip
-    return result
+    return evaluation.evaluate(model, tokenizer, task, EvalSettings.from_config(config, pass_k))
 
 
 def trainer_threads(config: RunConfig) -> int | None:
@@ -121,6 +109,8 @@ def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Tra
         loss=config.train.loss,
         clip_eps=config.train.clip_eps,
         trust_region=config.train.trust_region,
+        log_z=config.train.log_z,
+        log_z_lr=config.train.log_z_lr,
         micro_batch_groups=config.train.micro_batch_groups,
     )
 
@@ -156,7 +146,8 @@ def train(
     if threads:
         torch.set_num_threads(threads)
     # The data first: a bad file or row stops the run before any model is loaded.
-    task = load_task(config.task, seed=config.seed, policy_model=config.policy.model)
+    task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
+                     cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     checkpoint = None
     if resume:
@@ -196,7 +187,7 @@ def train(
     summary = {"base": base, "final": final, **loop.summary(searchers)}
     with MetricsLog(run_dir / "metrics.jsonl") as metrics:
         metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60, **final})
-    save_results(run_dir, summary, trainer.model, tokenizer)
+    save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
     console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     return run_dir
 
@@ -239,6 +230,10 @@ class TrainLoop:
         if checkpoint is not None:
             self.buffer.load_state_dict(checkpoint.buffer_state)
         self.feed = make_feed(config, searchers, trainer, self.buffer, events)
+        self.sample_log = None
+        if task.export_samples:
+            self.sample_log = SampleLog(run_dir / task.export_samples, tokenizer, task.annotate)
+            self.feed.on_merge = lambda samples: self.sample_log.write(samples, trainer.step_count)
         self.rng = np.random.default_rng(config.seed)
         self.beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
         self.max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
@@ -292,8 +287,10 @@ class TrainLoop:
                 self._after_step(step, record)
                 progress.update(
                     bar, completed=step,
-                    status=f"reward {record['reward_mean']:.2f}  "
-                    f"pass@1 {self.last_eval['eval_pass@1']:.3f}",
+                    status=f"reward {record['reward_mean']:.2f}  " + "  ".join(
+                        f"{name.removeprefix('eval_')} {self.last_eval[name]:.3f}"
+                        for name in self.task.metrics if name in self.last_eval
+                    ),
                 )  # fmt: skip
             self.train_seconds = time.time() - self.start
             if self.snapshot_every is not None:  # the policy as the run ends, too
@@ -301,6 +298,8 @@ class TrainLoop:
                 metrics.write({"step": self.trainer.step_count, "time": self.train_seconds,
                                "snapshot": snapshot})  # fmt: skip
         self.save_checkpoint(self.trainer.step_count)
+        if self.sample_log is not None:
+            self.sample_log.close()
         self.stopped_by_user = stop.is_set()
         if self.stopped_by_user:
             self.events("interrupted", step=self.trainer.step_count)
@@ -486,9 +485,12 @@ def _mean_of_histogram(histogram: Counter[int]) -> float:
     return sum(k * n for k, n in histogram.items()) / total if total else 0.0
 
 
-def save_results(run_dir: Path, summary: dict, model, tokenizer) -> None:
+def save_results(
+    run_dir: Path, summary: dict, model, tokenizer, metrics: tuple[str, ...] = ("eval_pass@1",)
+) -> None:
     """eval.json, the trained policy in final/, and the curves plot."""
     (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
     save_policy(model, run_dir / "final")
     tokenizer.save_pretrained(run_dir / "final")
-    plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", "tba train")
+    plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", "tba train",
+                metrics)  # fmt: skip

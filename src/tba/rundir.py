@@ -8,6 +8,8 @@
 <run_dir>/searchers/       per searcher process: samples made and prompt-stream position
 <run_dir>/eval.json        base and final evaluation, waiting fraction, staleness histograms
                            (weight versions and optimizer steps), fresh and repeated groups
+<run_dir>/attacks.jsonl    (red-teaming) every distinct attack the searchers made, with its
+                           reward, toxicity and, in the embedded world, the modes it triggers
 <run_dir>/snapshots/       policy weights every `eval.snapshot_minutes`, if asked (fp32, keys
                            of the base model; with LoRA the adapters merged in)
 <run_dir>/curves.png       held-out pass@1 and mean reward against wall-clock minutes, and the
@@ -95,6 +97,38 @@ class EventLog:
         self.metrics.close()
 
 
+class SampleLog:
+    """Every distinct completion the searchers made, written once to a JSON-lines file as it
+    first arrives: the text, the step, its reward, the reward's parts and extras, and whatever
+    `annotate(text)` adds. A resumed run reads the file back and goes on appending."""
+
+    def __init__(self, path: Path, tokenizer, annotate: Callable[[str], dict] | None = None):
+        self.path, self.tokenizer, self.annotate = path, tokenizer, annotate
+        self.seen: set[str] = set()
+        if path.exists():
+            self.seen = {json.loads(line)["completion"] for line in path.read_text().splitlines()
+                         if line.strip()}  # fmt: skip
+        self.file = path.open("a")
+
+    def write(self, samples: list, step: int) -> None:
+        texts = self.tokenizer.batch_decode([s.response_ids for s in samples],
+                                            skip_special_tokens=True)  # fmt: skip
+        for sample, text in zip(samples, texts):
+            text = text.strip()
+            if text in self.seen:
+                continue
+            self.seen.add(text)
+            record = {"completion": text, "step": step, "reward": sample.reward,
+                      **sample.reward_parts, **sample.extras}  # fmt: skip
+            if self.annotate is not None:
+                record |= self.annotate(text)
+            self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def save_snapshot(run_dir: Path, weights: dict[str, np.ndarray], step: int) -> str:
     """Policy weights as snapshots/stepNNNNNN.safetensors; returns the path relative to run_dir,
     as metrics.jsonl records it."""
@@ -108,43 +142,51 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
-    """Held-out greedy pass@1 and the reward of new samples against wall-clock minutes; below,
-    how stale the trained samples were (optimizer steps since their weights were published)."""
+METRIC_LABELS = {"eval_pass@1": "held-out greedy pass@1", "eval_asr": "attack success rate",
+                 "eval_diversity": "attack diversity", "eval_win_rate": "win rate (gold judge)"}
+
+
+def plot_curves(
+    records: list[dict], path: Path, title: str = "", metrics: tuple[str, ...] = ("eval_pass@1",)
+) -> None:
+    """The held-out `metrics` (greedy pass@1 by default) and the reward of new samples against
+    wall-clock minutes; below, how stale the trained samples were (optimizer steps since their
+    weights were published)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    evals = [r for r in records if "eval_pass@1" in r]
     steps = [r for r in records if "reward_mean" in r]
     fig, (ax, lag) = plt.subplots(
         2, 1, figsize=(7, 6), dpi=110, sharex=True, gridspec_kw={"height_ratios": [2, 1]}
     )
-    ax.plot(
-        [r["time"] / 60 for r in evals],
-        [r["eval_pass@1"] for r in evals],
-        "o-",
-        color="tab:blue",
-        label="held-out greedy pass@1",
-    )
+    for name, color in zip(metrics, ("tab:blue", "tab:green", "tab:purple", "tab:brown")):
+        evals = [r for r in records if name in r]
+        label = METRIC_LABELS.get(name, name.removeprefix("eval_").replace("_", " "))
+        ax.plot([r["time"] / 60 for r in evals], [r[name] for r in evals], "o-", color=color,
+                label=label)  # fmt: skip
+    ax.set_ylabel("held-out metric")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    # The reward of the samples that arrived at each step, on its own axis (rewards may be log
+    # probabilities): what the searchers' policy scores; a batch's own mean mixes in replay.
     minutes = [r["time"] / 60 for r in steps]
-    # The reward of the samples that arrived at each step: what the searchers' policy scores
-    # (a batch's own mean mixes in replayed samples).
+    reward_axis = ax.twinx()
     arrived = [r for r in steps if r.get("samples_in")]
     if arrived:
-        rewards = [r["reward_in"] for r in arrived]
-        ax.plot([r["time"] / 60 for r in arrived], _moving_average(rewards, 25),
-                color="tab:orange", label="reward of new samples (25-step average)")  # fmt: skip
+        reward_axis.plot([r["time"] / 60 for r in arrived],
+                         _moving_average([r["reward_in"] for r in arrived], 25), color="tab:orange",
+                         label="reward of new samples (25-step average)")  # fmt: skip
     else:
-        rewards = [r["reward_mean"] for r in steps]
-        ax.plot(minutes, _moving_average(rewards, 25), color="tab:orange",
-                label="batch mean reward (25-step average)")  # fmt: skip
-    ax.set_ylabel("accuracy / reward")
-    ax.set_ylim(min([0.0, *rewards]), 1.0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(title)
+        reward_axis.plot(minutes, _moving_average([r["reward_mean"] for r in steps], 25),
+                         color="tab:orange",
+                         label="batch mean reward (25-step average)")  # fmt: skip
+    reward_axis.set_ylabel("reward", color="tab:orange")
+    lines = ax.get_legend_handles_labels()
+    more = reward_axis.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize=8)
     staleness = [r.get("staleness_steps_mean", 0.0) for r in steps]
     lag.plot(minutes, [r.get("staleness_steps_max", 0.0) for r in steps], color="tab:red",
              alpha=0.3, linewidth=0.8, label="max in the batch")  # fmt: skip

@@ -125,7 +125,7 @@ class Searcher:
             generator=self.generator,
         )
         completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        rewards, parts, reward_dropped = self._score(row_ids, completions, out.truncated)
+        rewards, parts, extras, reward_dropped = self._score(row_ids, completions, out.truncated)
         ref_logps = self._reference_logps(prompts, out.response_ids)
         now = time.time()
         kept = [i for i in range(len(row_ids)) if math.isfinite(rewards[i])]
@@ -143,6 +143,7 @@ class Searcher:
                 created_at=now,
                 truncated=out.truncated[i],
                 reward_parts={name: values[i] for name, values in parts.items()},
+                extras={name: values[i] for name, values in extras.items()},
                 incarnation=self.incarnation,
                 seq=self.num_generated + n,
             )
@@ -184,14 +185,15 @@ class Searcher:
 
     def _score(
         self, row_ids: list[int], completions: list[str], truncated: list[bool]
-    ) -> tuple[list[float], dict[str, list[float]], int]:
-        """Sum of the reward functions (NaN: drop), the values per function, and how many
-        completions a reward fault dropped. Truncated responses are penalised or dropped."""
+    ) -> tuple[list[float], dict[str, list[float]], dict[str, list], int]:
+        """Sum of the reward functions (NaN: drop), the values per function, the extra columns
+        they logged, and how many completions a reward fault dropped. Truncated responses are
+        penalised or dropped."""
         prompts = [self.rows[i]["prompt"] for i in row_ids]
         columns = {
             key: [self.rows[i][key] for i in row_ids] for key in self.rows[0] if key != "prompt"
         }
-        totals, parts, faults = self.scorer.score(prompts, completions, columns)
+        totals, parts, faults, extras = self.scorer.score(prompts, completions, columns)
         self.reward_faults += faults
         s = self.settings
         reward_dropped = 0
@@ -200,4 +202,4 @@ class Searcher:
                 totals[i] = s.truncation_penalty if s.truncated == "penalize" else math.nan
             elif math.isnan(totals[i]):
                 reward_dropped += 1
-        return totals, parts, reward_dropped
+        return totals, parts, extras, reward_dropped

@@ -63,6 +63,8 @@ class Trainer:
         loss: str = "tb",
         clip_eps: float = 0.2,
         trust_region: str = "sequence",
+        log_z: str = "vargrad",
+        log_z_lr: float = 1e-2,
     ) -> None:
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; available: {', '.join(LOSSES)}")
@@ -80,7 +82,12 @@ class Trainer:
         self.micro_batch_groups = micro_batch_groups
         # Only the trainable weights (with LoRA: the adapters); bf16 ones through fp32 masters.
         self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad])
-        self.optimizer = torch.optim.Adam(self.masters.params, lr=learning_rate)
+        groups = [{"params": self.masters.params, "lr": learning_rate}]
+        # TB's log Z: VarGrad's per-group estimate, or learned with the policy at its own rate.
+        self.log_z_head = LearnedLogZ(model) if log_z == "learned" and loss == "tb" else None
+        if self.log_z_head is not None:
+            groups.append({"params": list(self.log_z_head.parameters()), "lr": log_z_lr})
+        self.optimizer = torch.optim.Adam(groups)
         # Adam's first updates move every weight by about the full learning rate whatever the
         # gradient's signal-to-noise; a linear warmup makes those first moves smaller.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -170,6 +177,10 @@ class Trainer:
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
         }
+        if self.log_z_head is not None:
+            for name, value in self.log_z_head.state_dict().items():
+                tensors[f"log_z.{name}"] = value
+            meta["log_z_ready"] = self.log_z_head.ready
         return dict(self.model.state_dict()), tensors, meta
 
     def load_state_dict(
@@ -177,12 +188,18 @@ class Trainer:
     ) -> None:
         self.model.load_state_dict(model)
         state: dict[int, dict] = {}
+        head: dict[str, torch.Tensor] = {}
         for key, value in [*optimizer.items(), *meta["optimizer_scalars"].items()]:
             index, name = key.split(".", 1)
             if index == "master":
                 self.masters.params[int(name)].data.copy_(value)
+            elif index == "log_z":
+                head[name] = value
             else:
                 state.setdefault(int(index), {})[name] = value
+        if self.log_z_head is not None:
+            self.log_z_head.load_state_dict(head)
+            self.log_z_head.ready = meta["log_z_ready"]
         self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
         self.schedule.load_state_dict(meta["schedule"])
         self.version = meta["version"]
@@ -208,15 +225,18 @@ class Trainer:
             "ratio_out_frac": float(((log_ratio < band[0]) | (log_ratio > band[1])).float().mean()),
             "log_ratio_abs": float(log_ratio.abs().mean()),
         }
+        log_z = None
+        if self.log_z_head is not None:
+            log_z = self.log_z_head(flat, logp.detach(), ref_logp, rewards, beta)
         if self.loss == "tb" and self.trust_region == "none":
-            loss, log_z = tb_loss(logp, ref_logp, rewards, group_ids, beta)
+            loss, log_z = tb_loss(logp, ref_logp, rewards, group_ids, beta, log_z)
             kl = (logp.detach() - ref_logp).mean()
             return loss, {"log_z": float(log_z.mean()), "kl": float(kl), **drift}
         if self.loss == "tb":
             behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
             loss, stats = tb_trust_region_loss(
                 token_logp, behaviour, mask, rewards, ref_logp, group_ids,
-                beta=beta, clip_eps=self.clip_eps, level=self.trust_region,
+                beta=beta, clip_eps=self.clip_eps, level=self.trust_region, log_z=log_z,
             )  # fmt: skip
         elif self.loss in CLIPPED:
             behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
@@ -229,6 +249,39 @@ class Trainer:
                 token_logp, mask, rewards, ref_logp, group_ids, beta=beta
             )
         return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
+
+
+class LearnedLogZ(torch.nn.Module):
+    """log Z(x) learned with the policy (as in GFlowNet red-teaming): a linear head on the mean
+    of the prompt's input embeddings, read without gradient into the policy. Its bias starts at
+    the first batch's VarGrad estimate, mean(-delta), so that it does not spend its first
+    hundreds of steps climbing from 0 to a log Z of -20."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.embeddings = [model.get_input_embeddings()]  # a list: not a submodule of the head
+        first = next(model.parameters())
+        self.head = torch.nn.Linear(self.embeddings[0].embedding_dim, 1, device=first.device)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.ready = False
+
+    def forward(
+        self, flat: list[Sample], logp: torch.Tensor, ref_logp: torch.Tensor,
+        rewards: torch.Tensor, beta: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """log Z of each sample's prompt, shape (N,)."""
+        if not self.ready:
+            with torch.no_grad():
+                self.head.bias.fill_(float((rewards / beta - logp + ref_logp).mean()))
+            self.ready = True
+        device = self.head.weight.device
+        with torch.no_grad():
+            pooled = torch.stack([
+                self.embeddings[0](torch.tensor(s.prompt_ids, device=device)).float().mean(0)
+                for s in flat
+            ])  # fmt: skip
+        return self.head(pooled).squeeze(-1)
 
 
 def _behaviour_token_logps(flat: list[Sample], width: int, device) -> torch.Tensor:

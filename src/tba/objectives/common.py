@@ -22,9 +22,14 @@ def group_mean(values: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def validate_grouped(
-    mask: Tensor, group_ids: Tensor, per_token: dict[str, Tensor], per_seq: dict[str, Tensor]
+    mask: Tensor,
+    group_ids: Tensor,
+    per_token: dict[str, Tensor],
+    per_seq: dict[str, Tensor],
+    singletons: bool = False,
 ) -> None:
-    """Raise ``ValueError`` unless the inputs form a valid grouped batch of N x T tokens."""
+    """Raise ``ValueError`` unless the inputs form a valid grouped batch of N x T tokens (every
+    group with >= 2 members, unless `singletons` are allowed)."""
     if mask.dim() != 2:
         raise ValueError(f"mask must be 2-D (N, T), got shape {tuple(mask.shape)}")
     for name, tensor in per_token.items():
@@ -47,7 +52,7 @@ def validate_grouped(
         raise ValueError(f"every sequence needs >= 1 real token; empty rows: {empty.tolist()}")
     ids, counts = torch.unique(group_ids, return_counts=True)
     small = ids[counts < 2]
-    if small.numel() > 0:
+    if small.numel() > 0 and not singletons:
         raise ValueError(
             "every group needs >= 2 sequences for a baseline; "
             f"singleton group ids: {small.tolist()}"

@@ -46,7 +46,12 @@ TrustRegion = Literal["sequence", "token"]
 
 
 def _validate(
-    logp: Tensor, ref_logp: Tensor, rewards: Tensor, group_ids: Tensor, beta: float
+    logp: Tensor,
+    ref_logp: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor,
+    beta: float,
+    learned: bool = False,
 ) -> None:
     """Raise ``ValueError`` unless the inputs form a valid TB batch."""
     named = {"logp": logp, "ref_logp": ref_logp, "rewards": rewards, "group_ids": group_ids}
@@ -66,7 +71,7 @@ def _validate(
         raise ValueError(f"beta must be > 0, got {beta}")
     ids, counts = torch.unique(group_ids, return_counts=True)
     small = ids[counts < 2]
-    if small.numel() > 0:
+    if small.numel() > 0 and not learned:
         raise ValueError(
             "every group needs >= 2 sequences to estimate log Z; "
             f"singleton group ids: {small.tolist()}"
@@ -74,24 +79,36 @@ def _validate(
 
 
 def tb_residuals(
-    logp: Tensor, ref_logp: Tensor, rewards: Tensor, group_ids: Tensor, beta: float
+    logp: Tensor,
+    ref_logp: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor,
+    beta: float,
+    log_z: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(residual, log_z)``: the TB residual in reward units, and log Z_hat (detached).
+    """``(residual, log_z)``: the TB residual in reward units, and the log Z it used.
 
         delta_i      = logp_i - ref_logp_i - r_i / beta
-        log Z_hat(x) = stopgrad( -mean_{i in x} delta_i )
-        residual_i   = beta (log Z_hat(x_i) + delta_i) = -A_i
+        log Z(x)     = stopgrad( -mean_{i in x} delta_i )       (VarGrad, when `log_z` is None)
+                     = the given `log_z` (a learned estimate, differentiable)
+        residual_i   = beta (log Z(x_i) + delta_i) = -A_i
 
-    float32; differentiable in ``logp`` only.
+    float32; differentiable in ``logp`` (and in a given ``log_z``).
     """
     logp = logp.float()
     delta = logp - ref_logp.detach().float() - rewards.detach().float() / beta
-    log_z = -group_mean(delta.detach(), group_ids)
-    return beta * (log_z + delta), log_z
+    if log_z is None:
+        log_z = -group_mean(delta.detach(), group_ids)
+    return beta * (log_z.float() + delta), log_z
 
 
 def tb_loss(
-    logp: Tensor, ref_logp: Tensor, rewards: Tensor, group_ids: Tensor, beta: float
+    logp: Tensor,
+    ref_logp: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor,
+    beta: float,
+    log_z: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """VarGrad Trajectory Balance loss in reward units.
 
@@ -106,16 +123,17 @@ def tb_loss(
     and ``d loss / d logp_i = residual_i / N = -A_i / N`` with
     ``A_i = (r_i - r_bar) - beta (KL_i - KL_bar)``. The loss is zero iff ``delta`` is constant
     within every group. Computed in float32 whatever the input dtype. Every group needs >= 2
-    members.
+    members, unless ``log_z`` is given: a learned log Z(x_i) per sequence (the same loss then
+    trains it too, towards the mean of ``-delta``; groups of one are fine).
 
     Returns:
-        ``(loss, log_z)``: the scalar float32 loss and the detached per-sequence
-        ``log Z_hat(x_i)`` of shape (N,).
+        ``(loss, log_z)``: the scalar float32 loss and the detached per-sequence log Z(x_i) of
+        shape (N,).
     """
-    _validate(logp, ref_logp, rewards, group_ids, beta)
-    residual, log_z = tb_residuals(logp, ref_logp, rewards, group_ids, beta)
+    _validate(logp, ref_logp, rewards, group_ids, beta, learned=log_z is not None)
+    residual, log_z = tb_residuals(logp, ref_logp, rewards, group_ids, beta, log_z)
     loss = residual.pow(2).mean() / (2.0 * beta)
-    return loss, log_z
+    return loss, log_z.detach()
 
 
 def tb_trust_region_loss(
@@ -129,6 +147,7 @@ def tb_trust_region_loss(
     beta: float,
     clip_eps: float = 0.2,
     level: TrustRegion = "sequence",
+    log_z: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """TB whose residuals stop pushing samples the policy has already moved (TBA').
 
@@ -150,7 +169,8 @@ def tb_trust_region_loss(
     are clamped to [-20, 20] before ``exp``.
 
     On-policy (rho = 1) the gradient w.r.t. each real token log-prob is ``-A_i / N``: exactly that
-    of :func:`tb_loss`.
+    of :func:`tb_loss`. With a learned ``log_z`` (per sequence), A uses it and the loss adds
+    ``(1 / (2 beta N)) sum_i (beta (log_z_i + stopgrad(delta_i)))^2``, which trains it.
 
     Stats: ``clip_frac`` (share of sequences, or of real tokens, whose gradient the trust region
     zeroed), ``log_z`` and ``kl`` (means over the batch).
@@ -160,6 +180,7 @@ def tb_trust_region_loss(
         group_ids,
         {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp},
         {"rewards": rewards, "ref_logp": ref_logp},
+        singletons=log_z is not None,
     )
     check_positive("beta", beta)
     check_positive("clip_eps", clip_eps)
@@ -169,7 +190,7 @@ def tb_trust_region_loss(
     token_logp = masked(token_logp, mask)
     log_ratio = token_logp - masked(behaviour_token_logp.detach(), mask)
     logp = token_logp.sum(dim=1)
-    residual, log_z = tb_residuals(logp, ref_logp, rewards, group_ids, beta)
+    residual, log_z = tb_residuals(logp, ref_logp, rewards, group_ids, beta, log_z)
     advantage = -residual.detach()
     if level == "sequence":
         objective, clipped = clipped_objective(log_ratio.sum(dim=1), advantage, clip_eps)
@@ -179,9 +200,12 @@ def tb_trust_region_loss(
         objective = objective.masked_fill(~mask, 0.0).sum(dim=1)
         clip_frac = (clipped & mask).sum().float() / mask.sum()
     loss = -objective.mean()
+    if log_z.requires_grad:  # a learned log Z: fit it to the residuals with logp held fixed
+        fixed, _ = tb_residuals(logp.detach(), ref_logp, rewards, group_ids, beta, log_z)
+        loss = loss + fixed.pow(2).mean() / (2.0 * beta)
     stats = {
         "clip_frac": clip_frac,
-        "log_z": log_z.mean(),
+        "log_z": log_z.detach().mean(),
         "kl": (logp.detach() - ref_logp.detach().float()).mean(),
     }
     return loss, stats

@@ -41,6 +41,27 @@ def build_char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
     )
 
 
+def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """One token per whitespace-separated word of a closed vocabulary (the embedded red-teaming
+    world's); decoding joins words with spaces. BOS is prepended to every encoded text."""
+    specials = [PAD, BOS, EOS, UNK]
+    vocab = {token: i for i, token in enumerate(specials + sorted(set(words)))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins with spaces
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+    )
+
+
 def load_tokenizer(path: str, *, chat_template: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer saved with a policy, ready for batched sampling.
 

@@ -56,6 +56,7 @@ class Feed:
         self.reward_faults: Counter[str] = Counter()  # "function: reason" -> completions dropped
         self.next_seq: dict[tuple[int, int], int] = {}  # (searcher, incarnation) -> next seq
         self.publish_next = False  # a resumed run publishes at its first step, whatever k
+        self.on_merge: Callable[[list[Sample]], None] | None = None  # sees every new sample
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +89,8 @@ class Feed:
     def _merge(self, samples: list[Sample], stats: dict[str, float]) -> list[Sample]:
         """Add the samples not merged before; returns them."""
         fresh = [s for s in samples if self._first_time(s)]
+        if self.on_merge is not None and fresh:
+            self.on_merge(fresh)
         self.counts["merged"] += len(fresh)
         self.counts["capacity_evicted"] += self.buffer.add(fresh)
         self._evict_stale()
@@ -125,14 +128,16 @@ class Feed:
 
 
 class SyncFeed(Feed):
-    """Generate B prompts with the weights just published, wait, and train on them."""
+    """Generate B prompts (`searchers.prompts_per_batch` if set) with the weights just
+    published, wait, and train on them."""
 
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
         start = time.time()
         if self._sync_point(step) or self.publish_next:
             self._publish()
         synced = time.time()
-        samples, stats = self.searchers.generate(self.config.train.num_prompts)
+        per_step = self.config.searchers.prompts_per_batch or self.config.train.num_prompts
+        samples, stats = self.searchers.generate(per_step)
         merged = self._merge(samples, stats)
         return stats | _arrivals(merged) | {
             "sync_seconds": synced - start,

@@ -1,7 +1,8 @@
 """Tasks: a dataset of prompts (rows with a `prompt` column and any others), reward functions
 `fn(prompts, completions, **columns) -> list[float]`, and a correctness check for evaluation.
 
-`math` is the embedded synthetic task (`tba.tasks.math`); `gsm8k`, `competition_math` and `tldr`
+`math` (`tba.tasks.math`) and `redteam` (`tba.tasks.redteam`, its world in
+`tba.tasks.redteam_world`) are embedded synthetic tasks; `gsm8k`, `competition_math` and `tldr`
 read real data (`tba.tasks.build`)."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from tba.config import TaskConfig
 
 RewardFn = Callable[..., list[float]]
+# evaluate(model, tokenizer, settings: tba.evaluation.EvalSettings) -> {metric: value}
+Evaluator = Callable[..., dict[str, float]]
 
 
 @dataclass
@@ -22,16 +25,34 @@ class Task:
     train_rows: list[dict]  # each row: {"prompt": str, **columns}
     eval_rows: list[dict]
     reward_fns: list[RewardFn]
-    correct_fn: RewardFn  # 1.0 / 0.0 per completion: what pass@k counts
+    correct_fn: RewardFn | None = None  # 1.0 / 0.0 per completion: what pass@k counts
+    evaluate: Evaluator | None = None  # the task's own held-out metrics instead of pass@k
+    metrics: tuple[str, ...] = ("eval_pass@1",)  # headline metrics: progress bar and plots
+    # A file in the run directory where every distinct completion the searchers made is written
+    # once, with its reward, reward parts and extras, and `annotate(completion)`'s fields.
+    export_samples: str | None = None
+    annotate: Callable[[str], dict] | None = None
 
 
-def load_task(config: TaskConfig, *, seed: int, policy_model: str | None = None) -> Task:
-    """The task `config.name`: the embedded math task, or a dataset task on its configured data
-    (`tba.tasks.build`). `policy_model` lends its tokenizer to a reward model saved without one."""
+def load_task(
+    config: TaskConfig,
+    *,
+    seed: int,
+    policy_model: str | None = None,
+    cache_dir: str = "~/.cache/tba",
+    log=print,
+) -> Task:
+    """The task `config.name`: an embedded task (math; redteam, whose world is built once into
+    `cache_dir`), or a dataset task on its configured data (`tba.tasks.build`). `policy_model`
+    lends its tokenizer to a reward model saved without one."""
     if config.name == "math":
         return build_task(
             "math", num_train=config.num_train, num_eval=config.num_eval, seed=seed
         )
+    if config.name == "redteam":
+        from tba.tasks import redteam
+
+        return redteam.build_task(config, cache_dir, seed, log)
     from tba.tasks.build import dataset_task
 
     return dataset_task(config, policy_model=policy_model)

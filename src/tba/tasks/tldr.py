@@ -83,17 +83,23 @@ class RewardModel:
 
 
 def _last_token_scores(model: Any, batch: Any) -> Any:
-    """The score head on each text's last real token. Read from the attention mask rather than
-    from the pad id, which is often the EOS id and would hide the EOS the score belongs to."""
+    """The reward model's one output on each text."""
+    return last_token_logits(model, batch)[:, 0]
+
+
+def last_token_logits(model: Any, batch: Any) -> Any:
+    """The sequence-classification head on each text's last real token, (N, num_labels). Read
+    from the attention mask rather than from the pad id, which is often the EOS id and would hide
+    the EOS the score belongs to."""
     import torch
 
     head = getattr(model, "score", None)  # the head of Llama, Qwen, GPT-NeoX, GPT-2, ... models
-    if head is None:
-        return model(**batch).logits[:, 0]
+    if head is None:  # BERT-like models pool their own first token
+        return model(**batch).logits
     mask = batch["attention_mask"]
     hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state
     last = mask.sum(dim=1) - 1  # right padding
-    return head(hidden[torch.arange(len(last), device=last.device), last])[:, 0]
+    return head(hidden[torch.arange(len(last), device=last.device), last])
 
 
 def load_reward_model(

@@ -1,0 +1,104 @@
+"""Red-teaming on the embedded world: TB against reward-maximising RL, searcher scaling, and a
+learned log Z, over several seeds.
+
+Every run starts from the world's attacker prior with the red-teaming defaults (`task.name=
+redteam`) and saves snapshots; each snapshot is scored afterwards on the same evaluation (512
+attacks sampled at temperature 1 with one seed, 5 victim answers each): attack success rate (ASR),
+diversity (1 - mean pairwise TF-IDF cosine similarity of the attacks), vulnerable modes with a
+successful attack (of 12), and distinct successful attacks.
+
+Suites (`--suite`):
+    compare   TB (asynchronous) against GRPO, Dr. GRPO and RLOO on the same pipeline
+    scaling   TB with 1, 2 and 4 searchers' worth of samples per trainer step, at equal steps
+              (synchronous, so that only the samples per step differ: each step generates N
+              batches and trains on one, fresh samples first)
+    logz      TB with VarGrad's log Z against a learned one
+
+    python benchmarks/redteam.py --suite compare              # 4 methods x 3 seeds x 6 min
+    python benchmarks/redteam.py --suite scaling --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from common import Method, add_common_arguments, finish, merge_results, run_suite
+
+from tba.quiet import quiet_libraries
+
+REDTEAM = ["task.name=redteam"]
+ASYNC = [*REDTEAM, "train.mode=async", "searchers.count=1"]
+COLUMNS = {"eval_asr": "ASR", "eval_diversity": "diversity",
+           "eval_diversity_successful": "diversity of successes",
+           "eval_modes_covered": "modes covered (of 12)",
+           "eval_unique_successful": "distinct successes"}  # fmt: skip
+
+
+def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
+    steps = [f"train.max_steps={args.steps}", "train.max_minutes=null"]
+    sync = [*REDTEAM, "train.mode=sync", "searchers.count=0", *steps]
+    return {
+        "compare": {
+            "tb": Method("TB (async)", ASYNC),
+            "grpo": Method("GRPO (async)", [*ASYNC, "train.loss=grpo"]),
+            "dr_grpo": Method("Dr. GRPO (async)", [*ASYNC, "train.loss=dr_grpo"]),
+            "rloo": Method("RLOO (async)", [*ASYNC, "train.loss=rloo"]),
+        },
+        "scaling": {
+            f"tb-x{n}": Method(f"TB, {n} searcher{'s' if n > 1 else ''}' samples per step",
+                               [*sync, f"searchers.prompts_per_batch={4 * n}"])
+            for n in (1, 2, 4)
+        },  # fmt: skip
+        "logz": {
+            "tb-vargrad": Method("TB, VarGrad log Z", ASYNC),
+            "tb-learned": Method("TB, learned log Z", [*ASYNC, "train.log_z=learned"]),
+        },
+    }
+
+
+def print_metrics(results: dict) -> None:
+    """Every metric at the end of the runs: mean ± std over seeds."""
+    print("\n| method | " + " | ".join(COLUMNS.values()) + " | steps |")
+    print("|---|" + "---|" * (len(COLUMNS) + 1))
+    for entry in results.values():
+        runs = list(entry["runs"].values())
+        ends = [run["curve"][-1]["metrics"] for run in runs]
+        cells = []
+        for key in COLUMNS:
+            values = [end.get(key, float("nan")) for end in ends]
+            spread = np.std(values, ddof=1) if len(values) > 1 else 0.0
+            fmt = ".0f" if key in ("eval_modes_covered", "eval_unique_successful") else ".3f"
+            cells.append(f"{np.mean(values):{fmt}} ± {spread:{fmt}}")
+        steps = np.mean([run.get("steps", 0) for run in runs])
+        print(f"| {entry['label']} | " + " | ".join(cells) + f" | {steps:.0f} |")
+    first = next(iter(results.values()))
+    base = first["runs"][next(iter(first["runs"]))]["curve"][0]["metrics"]
+    print("| attacker prior (before training) | " + " | ".join(
+        f"{base.get(key, float('nan')):.3f}" for key in COLUMNS) + " | 0 |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser, minutes=6.0, out="runs/redteam")
+    parser.add_argument("--suite", default="compare", choices=["compare", "scaling", "logz"])
+    parser.add_argument("--steps", type=int, default=200, help="trainer steps (scaling suite)")
+    parser.set_defaults(num_eval=512, target=0.5)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    quiet_libraries()
+    if args.report:
+        results = merge_results(args.report)
+    else:
+        methods = suites(args)[args.suite]
+        if args.only:
+            methods = {name: methods[name] for name in args.only.split(",")}
+        results = {name: entry for name, entry in run_suite(methods, args).items()
+                   if name in methods}  # fmt: skip
+    finish(results, args, f"red-teaming: {args.suite} (ASR)", metric="ASR")
+    print_metrics(results)
+
+
+if __name__ == "__main__":
+    main()
