@@ -66,9 +66,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, minutes: float, out: s
     parser.add_argument("overrides", nargs="*", help="key=value for every tba run")
 
 
-def base_policy() -> Path:
-    """The built-in base policy every benchmark run starts from (built once, cached)."""
-    config = load_config()
+def base_policy(overrides: list[str] = ()) -> Path:
+    """The built-in base policy of the task these overrides select, built with seed 0 (once,
+    cached): every run of a benchmark starts from it, whatever its own seed."""
+    config = load_config(None, list(overrides))
     return resolve_policy(config.policy.model, config.pretrain, 0, print)
 
 
@@ -81,7 +82,7 @@ def run_suite(
     args.out.mkdir(parents=True, exist_ok=True)
     results_path = args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    base = args.base = base_policy()  # runners of other trainers start from it too
+    args.base = base_policy(args.overrides)  # runners of other trainers start from it
     # Seed by seed across methods, so that a machine that slows down for a while (shared
     # cores) costs every method alike rather than one of them.
     for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -93,8 +94,8 @@ def run_suite(
             if method.runner is not None:
                 method.runner(run_dir, seed, args)
             else:
-                overrides = [f"policy.model={base}", f"seed={seed}", *args.overrides,
-                             *method.overrides]  # fmt: skip
+                chosen = [*args.overrides, *method.overrides]
+                overrides = [f"policy.model={base_policy(chosen)}", f"seed={seed}", *chosen]
                 run_tba(run_dir, overrides, args.minutes, args.snapshot_minutes)
             curve = score_snapshots(run_dir, args.num_eval)
             entry["runs"][str(seed)] = {"curve": curve, **run_summary(run_dir)}

@@ -103,10 +103,10 @@ class RedteamConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["math", "redteam", "gsm8k", "competition_math", "tldr"] = Field(
+    name: Literal["math", "redteam", "gsm8k", "competition_math", "tldr", "custom"] = Field(
         "math", description="`math` and `redteam`: embedded synthetic tasks (red-teaming a "
         "frozen victim); `gsm8k`, `competition_math` (MATH, `\\boxed{}` answers) and `tldr` "
-        "(reward-model summaries) read real data",
+        "(reward-model summaries) read real data; `custom`: your data and task.reward_funcs",
     )
     num_train: int | None = Field(
         5000, ge=1, description="training prompts (a dataset's first N rows; null: all)"
@@ -157,10 +157,22 @@ class TaskConfig(Section):
         "auto", description="device of the reward models in each process, as policy.device"
     )
     reward_batch_size: int = Field(32, ge=1, description="texts per reward-model forward pass")
+    reward_funcs: list[str] = Field(
+        [], description="custom: reward functions `module:function` (a module on the Python "
+        "path or a `.py` file), or sequence-classification reward models (Hub id or directory); "
+        "their rewards are summed",
+    )
+    eval_func: str | None = Field(
+        None, description="custom: `module:function` scoring a completion 1 (correct) or 0, "
+        "for held-out pass@1 (default: the mean summed reward of greedy completions)",
+    )
     redteam: RedteamConfig = RedteamConfig()
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
+        if self.name != "custom" and (self.reward_funcs or self.eval_func):
+            key = "reward_funcs" if self.reward_funcs else "eval_func"
+            raise ValueError(f"task.{key} applies to the custom task, not to {self.name}")
         data_keys = ["train_path", "eval_path", "dataset", "dataset_config", "eval_dataset",
                      "eval_dataset_config", "prompt_template", "answer_field", "reward_model",
                      "eval_reward_model"]  # fmt: skip
@@ -173,6 +185,17 @@ class TaskConfig(Section):
                 )
             if self.num_train is None or self.num_eval is None:
                 raise ValueError(f"the {self.name} task needs task.num_train and task.num_eval")
+            return self
+        if self.name == "custom":  # its data and rewards are checked where they are loaded
+            wrong = [k for k in ("answer_field", "reward_model", "eval_reward_model")
+                     if getattr(self, k) is not None]  # fmt: skip
+            if wrong:
+                raise ValueError(f"task.{wrong[0]} does not apply to the custom task (its "
+                                 "rewards come from task.reward_funcs)")  # fmt: skip
+            if self.prompt_template is not None:
+                from tba.tasks.data import check_template
+
+                check_template(self.prompt_template)
             return self
         if self.train_path is None and self.dataset is None:
             raise ValueError(f"task.name={self.name} needs task.train_path or task.dataset")
@@ -389,6 +412,10 @@ class RunConfig(Section):
     ray: RayConfig = RayConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    report_to: list[Literal["tensorboard"]] = Field(
+        [], description="also log metrics to these (`tensorboard`: event files in "
+        "RUN_DIR/tensorboard; needs `pip install tensorboard`)",
+    )
 
     @model_validator(mode="after")
     def _check_runtime(self) -> RunConfig:
@@ -408,7 +435,10 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
         "train.num_prompts": 4,
         "train.group_size": 32,
         "train.learning_rate": 1e-4,
-        "train.beta": 0.2,
+        "train.beta": 0.1,
+        # Most groups are reward-prioritised replays thousands of steps old: TB learns from them
+        # off-policy, a trust region against their behaviour policy clips them.
+        "train.trust_region": "none",
         "buffer.recent_prob": 0.5,
         "buffer.reward_weight": 1.0,
         "buffer.dedup": "near",

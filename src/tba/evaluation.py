@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.policy.sampling import generate
 from tba.policy.tokenizer import encode_prompts
+from tba.rewards import call_reward
 from tba.tasks import RewardFn, Task
 
 
@@ -63,11 +64,11 @@ def evaluate(
     return result
 
 
-def _correct(
+def _scores(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
-    correct_fn: RewardFn,
+    score_fn: RewardFn,
     *,
     max_new_tokens: int,
     temperature: float,
@@ -75,8 +76,9 @@ def _correct(
     batch_size: int,
     generator: torch.Generator | None = None,
     chat_template: bool = False,
-) -> list[bool]:
-    results: list[bool] = []
+) -> list[float]:
+    """`score_fn` of one completion per row (the row's other columns passed on)."""
+    results: list[float] = []
     for first in range(0, len(rows), batch_size):
         batch = rows[first : first + batch_size]
         texts = [row["prompt"] for row in batch]
@@ -92,9 +94,29 @@ def _correct(
         )
         completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
-        scores = correct_fn([row["prompt"] for row in batch], completions, **columns)
-        results += [score > 0.5 for score in scores]
+        results += [float(s) for s in call_reward(score_fn, texts, completions, **columns)]
     return results
+
+
+def _correct(model, tokenizer, rows: list[dict], correct_fn: RewardFn, **options) -> list[bool]:
+    return [score > 0.5 for score in _scores(model, tokenizer, rows, correct_fn, **options)]
+
+
+def greedy_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    score_fn: RewardFn,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    chat_template: bool = False,
+) -> list[float]:
+    """`score_fn` of the greedy completion of each row."""
+    return _scores(
+        model, tokenizer, rows, score_fn, max_new_tokens=max_new_tokens, temperature=1.0,
+        greedy=True, batch_size=batch_size, chat_template=chat_template,
+    )  # fmt: skip
 
 
 def greedy_pass_at_1(

@@ -14,6 +14,7 @@ the run with `RewardError`: it is broken, not unlucky.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
@@ -37,7 +38,7 @@ def call_with_timeout(fn: RewardFn, timeout_s: float, *args: Any, **kwargs: Any)
 
     def target() -> None:
         try:
-            result["value"] = fn(*args, **kwargs)
+            result["value"] = call_reward(fn, *args, **kwargs)
         except BaseException as error:  # handed to the caller's thread below
             result["error"] = error
 
@@ -49,6 +50,12 @@ def call_with_timeout(fn: RewardFn, timeout_s: float, *args: Any, **kwargs: Any)
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def call_reward(fn: RewardFn, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), run to completion when `fn` is an `async def`."""
+    value = fn(*args, **kwargs)
+    return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
 def _name(fn: RewardFn) -> str:

@@ -51,7 +51,7 @@ from tba.checkpoint import (
     rng_states,
     save_checkpoint,
 )
-from tba.config import RunConfig, dump_config
+from tba.config import ConfigError, RunConfig, dump_config
 from tba.errors import CheckpointError, TrainingError
 from tba.evaluation import EvalSettings
 from tba.objectives import BetaSchedule
@@ -64,6 +64,7 @@ from tba.rundir import (
     create_run_dir,
     plot_curves,
     read_metrics,
+    require_tensorboard,
     save_snapshot,
     truncate_metrics,
 )
@@ -137,17 +138,23 @@ def stop_on_interrupt() -> Iterator[threading.Event]:
 
 def train(
     config: RunConfig, console: Console | None = None, *, resume: bool = False,
-    overwrite: bool = False,
+    overwrite: bool = False, task: Task | None = None,
 ) -> Path:
     """Train as `config` says, in `config.output_dir`; `resume`: continue the run there from its
-    newest checkpoint; `overwrite`: replace a run already there."""
+    newest checkpoint; `overwrite`: replace a run already there; `task`: train on this task
+    instead of the one `config.task` describes (the Python API's own data and rewards)."""
     console = console or Console(stderr=True)
     threads = trainer_threads(config)
     if threads:
         torch.set_num_threads(threads)
     # The data first: a bad file or row stops the run before any model is loaded.
-    task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
-                     cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
+    if task is None:
+        task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
+                         cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
+    if task.conversational and not config.policy.chat_template:
+        raise ConfigError("the prompts are conversational: set policy.chat_template=true")
+    if "tensorboard" in config.report_to:
+        require_tensorboard()
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     checkpoint = None
     if resume:
@@ -185,11 +192,15 @@ def train(
     finally:
         events.close()
     summary = {"base": base, "final": final, **loop.summary(searchers)}
-    with MetricsLog(run_dir / "metrics.jsonl") as metrics:
+    with MetricsLog(run_dir / "metrics.jsonl", tensorboard_dir(config, run_dir)) as metrics:
         metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60, **final})
     save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
     console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     return run_dir
+
+
+def tensorboard_dir(config: RunConfig, run_dir: Path) -> Path | None:
+    return run_dir / "tensorboard" if "tensorboard" in config.report_to else None
 
 
 def restore_trainer(trainer: Trainer, checkpoint: Checkpoint) -> None:
@@ -267,7 +278,8 @@ class TrainLoop:
             transient=False,
         )  # fmt: skip
         first_step = self.trainer.step_count + 1
-        with MetricsLog(self.run_dir / "metrics.jsonl") as metrics, progress:
+        board = tensorboard_dir(self.config, self.run_dir)
+        with MetricsLog(self.run_dir / "metrics.jsonl", board) as metrics, progress:
             if first_step == 1:
                 metrics.write({"step": 0, "time": 0.0, **self.base})
             bar = progress.add_task("train", total=tc.max_steps, completed=first_step - 1,

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -59,24 +60,49 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON line per record and flushes, so a killed run keeps what it logged."""
+    """Appends one JSON line per record and flushes, so a killed run keeps what it logged; with
+    `tensorboard` (a directory), also writes every number of a record as a TensorBoard scalar at
+    the record's step."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tensorboard: Path | None = None) -> None:
         self.path = path
         self.file = path.open("a")
+        self.board = tensorboard_writer(tensorboard) if tensorboard is not None else None
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.board is not None and "step" in record:
+            for key, value in record.items():
+                if isinstance(value, int | float) and key != "step":
+                    self.board.add_scalar(key, value, record["step"])
+            self.board.flush()
 
     def close(self) -> None:
         self.file.close()
+        if self.board is not None:
+            self.board.close()
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def require_tensorboard() -> None:
+    """One line saying what to install when TensorBoard logging is asked for without it."""
+    if importlib.util.find_spec("tensorboard") is None:
+        from tba.config import ConfigError
+
+        raise ConfigError("report_to=[tensorboard] needs `pip install tensorboard`")
+
+
+def tensorboard_writer(log_dir: Path):
+    require_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 class EventLog:

@@ -3,7 +3,8 @@
 
 `math` (`tba.tasks.math`) and `redteam` (`tba.tasks.redteam`, its world in
 `tba.tasks.redteam_world`) are embedded synthetic tasks; `gsm8k`, `competition_math` and `tldr`
-read real data (`tba.tasks.build`)."""
+read real data (`tba.tasks.build`); `custom` (`tba.tasks.custom`) is your data and reward
+functions."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Task:
     # once, with its reward, reward parts and extras, and `annotate(completion)`'s fields.
     export_samples: str | None = None
     annotate: Callable[[str], dict] | None = None
+    conversational: bool = False  # prompts were one-user-turn chats: needs policy.chat_template
 
 
 def load_task(
@@ -53,6 +55,10 @@ def load_task(
         from tba.tasks import redteam
 
         return redteam.build_task(config, cache_dir, seed, log)
+    if config.name == "custom":
+        from tba.tasks import custom
+
+        return custom.build_task(config)
     from tba.tasks.build import dataset_task
 
     return dataset_task(config, policy_model=policy_model)

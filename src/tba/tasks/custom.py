@@ -1,0 +1,188 @@
+"""Your own task: prompts from any dataset, rewards from your functions or reward models.
+
+Rows are dicts with a `prompt` column (or fields a `task.prompt_template` renders into one);
+every other column reaches the reward functions as a keyword argument, as in TRL:
+`fn(prompts, completions, **columns) -> list[float]`. A prompt may also be conversational, a
+list of `{"role", "content"}` messages with one user turn: its content is the prompt and the
+policy's chat template is applied (`policy.chat_template`).
+
+The rewards of all functions are summed. Held-out evaluation is greedy pass@1 of `eval_func`
+when one is given (1 = correct), else `eval_reward`: the mean summed reward of greedy
+completions. Without held-out rows, the first `task.num_eval` training prompts are evaluated
+(a learning curve on seen prompts, not a held-out score).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tba.config import ConfigError
+from tba.tasks import RewardFn, Task
+
+if TYPE_CHECKING:
+    from tba.config import TaskConfig
+
+
+def import_function(spec: str, key: str = "task.reward_funcs") -> Callable:
+    """The function named by `module:function`, the module importable or a `.py` file."""
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{key}: {spec!r} is not `module:function`")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser()
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            if loader is None or not path.exists():
+                raise ImportError(f"no file {path}")
+            module = importlib.util.module_from_spec(loader)
+            sys.modules.setdefault(path.stem, module)
+            loader.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"{key}: cannot import {module_name!r}: {error}") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ConfigError(f"{key}: {module_name!r} has no function {attribute!r}")
+    return function
+
+
+def reward_functions(
+    specs: Iterable[str | RewardFn], *, device: str = "auto", batch_size: int = 32
+) -> list[RewardFn]:
+    """Callables as they are; a string is `module:function` when it has a colon, else a
+    sequence-classification reward model (Hub id or directory) scoring prompt + completion."""
+    from tba.tasks.tldr import RewardModel
+
+    functions: list[RewardFn] = []
+    for number, spec in enumerate(specs):
+        if callable(spec):
+            functions.append(spec)
+        elif ":" in spec and not Path(spec).exists():
+            functions.append(import_function(spec))
+        else:
+            name = f"reward_model_{number}" if number else "reward_model"
+            functions.append(RewardModel(spec, device=device, batch_size=batch_size, name=name))
+    if not functions:
+        raise ConfigError("the custom task needs at least one reward function (task.reward_funcs)")
+    return functions
+
+
+def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tuple[list[dict], bool]:
+    """(rows with a plain-text `prompt`, whether the prompts were conversational)."""
+    from tba.tasks.data import DatasetError, render, template_fields
+
+    prepared: list[dict] = []
+    conversational = False
+    for number, row in enumerate(rows, start=1):
+        row = dict(row)
+        if template is not None:
+            missing = [f for f in template_fields(template) if row.get(f) is None]
+            if missing:
+                raise DatasetError(f"{where}: row {number} has no {missing[0]!r} field")
+            row["prompt"] = render(template, row)
+        prompt = row.get("prompt")
+        if isinstance(prompt, list):
+            row["prompt"], conversational = _single_user_turn(prompt, where, number), True
+        elif not isinstance(prompt, str):
+            raise DatasetError(f"{where}: row {number} has no text `prompt` column "
+                               f"(it has: {', '.join(row) or 'none'})")  # fmt: skip
+        prepared.append(row)
+    if not prepared:
+        raise DatasetError(f"{where} has no rows")
+    return prepared, conversational
+
+
+def _single_user_turn(messages: list, where: str, number: int) -> str:
+    from tba.tasks.data import DatasetError
+
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if len(messages) != 1 or len(users) != 1 or not isinstance(users[0].get("content"), str):
+        raise DatasetError(
+            f"{where}: row {number}: a conversational prompt must be one user message (system "
+            "prompts and several turns are not supported yet)"
+        )
+    return users[0]["content"]
+
+
+class SummedReward:
+    """The sum of the reward functions, for scoring held-out completions."""
+
+    __name__ = "summed_reward"
+
+    def __init__(self, functions: list[RewardFn]) -> None:
+        self.functions = functions
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+        from tba.rewards import call_reward
+
+        totals = [0.0] * len(completions)
+        for function in self.functions:
+            for i, value in enumerate(call_reward(function, prompts, completions, **columns)):
+                totals[i] += float(value)
+        return totals
+
+
+class MeanReward:
+    """Held-out `eval_reward`: the mean summed reward of greedy completions."""
+
+    def __init__(self, functions: list[RewardFn], rows: list[dict]) -> None:
+        self.score, self.rows = SummedReward(functions), rows
+
+    def __call__(self, model, tokenizer, settings) -> dict[str, float]:
+        from tba.evaluation import greedy_scores
+
+        scores = greedy_scores(model, tokenizer, self.rows, self.score,
+                               max_new_tokens=settings.max_new_tokens,
+                               batch_size=settings.batch_size,
+                               chat_template=settings.chat_template)  # fmt: skip
+        return {"eval_reward": sum(scores) / len(scores)}
+
+
+def custom_task(
+    train_rows: list[dict],
+    eval_rows: list[dict] | None,
+    reward_fns: list[RewardFn],
+    *,
+    eval_func: RewardFn | None = None,
+    num_eval: int | None = None,
+    conversational: bool = False,
+) -> Task:
+    """A task from prepared rows (see `prepare_rows`); no held-out rows: the first `num_eval`
+    training prompts are evaluated."""
+    held_out = eval_rows if eval_rows else train_rows
+    held_out = held_out[:num_eval] if num_eval is not None else held_out
+    if eval_func is not None:
+        return Task("custom", train_rows, held_out, reward_fns, correct_fn=eval_func,
+                    conversational=conversational)  # fmt: skip
+    return Task("custom", train_rows, held_out, reward_fns,
+                evaluate=MeanReward(reward_fns, held_out), metrics=("eval_reward",),
+                conversational=conversational)  # fmt: skip
+
+
+def build_task(config: TaskConfig) -> Task:
+    """The CLI's custom task: rows from task.train_path / task.dataset, held-out rows from
+    task.eval_path / task.eval_dataset when given, rewards from task.reward_funcs."""
+    from tba.tasks.build import sources
+    from tba.tasks.data import read_rows
+
+    train_source, eval_source = sources(config)
+    if train_source.path is None and train_source.dataset is None:
+        raise ConfigError("task.name=custom needs task.train_path or task.dataset")
+    template = config.prompt_template
+    train_rows, chat = prepare_rows(read_rows(train_source, config.num_train), template,
+                                    train_source.describe())  # fmt: skip
+    eval_rows = None
+    if eval_source.path is not None or config.eval_dataset is not None:
+        eval_rows, _ = prepare_rows(read_rows(eval_source, config.num_eval), template,
+                                    eval_source.describe())  # fmt: skip
+    reward_fns = reward_functions(config.reward_funcs, device=config.reward_device,
+                                  batch_size=config.reward_batch_size)  # fmt: skip
+    eval_func = import_function(config.eval_func, "task.eval_func") if config.eval_func else None
+    return custom_task(train_rows, eval_rows, reward_fns, eval_func=eval_func,
+                       num_eval=config.num_eval, conversational=chat)  # fmt: skip

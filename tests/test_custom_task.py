@@ -1,0 +1,179 @@
+"""Your own task: reward functions by `module:function` or as callables (async too), rows with a
+`prompt` column or a template, the TRL-shaped `TBATrainer`, TensorBoard logging, and the example
+script end to end on Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tba import TBAConfig, TBATrainer
+from tba.cli import main
+from tba.config import ConfigError, load_config
+from tba.rundir import read_metrics
+from tba.tasks import load_task
+from tba.tasks.custom import (
+    SummedReward,
+    custom_task,
+    import_function,
+    prepare_rows,
+    reward_functions,
+)
+from tba.tasks.data import DatasetError
+from tba.tasks.math import correctness_reward
+
+ROOT = Path(__file__).resolve().parents[1]
+REWARDS = '''
+def length_reward(prompts, completions, target, **kwargs):
+    return [-abs(int(t) - len(c)) / 10 for c, t in zip(completions, target)]
+'''
+SYNC = ["train.mode=sync", "searchers.count=0", "train.num_prompts=2", "train.group_size=4",
+        "train.max_steps=3", "policy.max_new_tokens=8", "policy.num_threads=1", "eval.every=2",
+        "task.num_eval=4"]  # fmt: skip
+
+
+@pytest.fixture
+def policy_dir(tmp_path, tiny_model, tokenizer) -> Path:
+    path = tmp_path / "policy"
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_functions_import_from_a_module_or_a_file(tmp_path):
+    assert import_function("tba.tasks.math:correctness_reward") is correctness_reward
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    function = import_function(f"{tmp_path / 'my_rewards.py'}:length_reward")
+    assert function(["p"], ["abc"], target=[5]) == [-0.2]
+    with pytest.raises(ConfigError, match="not `module:function`"):
+        import_function("tba.tasks.math")
+    with pytest.raises(ConfigError, match="cannot import 'no_such_module'"):
+        import_function("no_such_module:f")
+    with pytest.raises(ConfigError, match="has no function 'nothing'"):
+        import_function("tba.tasks.math:nothing")
+
+
+def test_rows_take_a_prompt_column_a_template_or_one_user_message():
+    rows, chat = prepare_rows([{"prompt": "hi", "x": 1}], None, "data")
+    assert rows == [{"prompt": "hi", "x": 1}] and not chat
+    rows, _ = prepare_rows([{"q": "2+2", "x": 1}], "Q: {q}", "data")
+    assert rows[0]["prompt"] == "Q: 2+2" and rows[0]["q"] == "2+2"
+    rows, chat = prepare_rows([{"prompt": [{"role": "user", "content": "hi"}]}], None, "data")
+    assert rows[0]["prompt"] == "hi" and chat
+    two_turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(DatasetError, match="row 1: a conversational prompt must be one user"):
+        prepare_rows([{"prompt": two_turns}], None, "data")
+    with pytest.raises(DatasetError, match="row 2 has no text `prompt` column"):
+        prepare_rows([{"prompt": "a"}, {"question": "b"}], None, "data")
+    with pytest.raises(DatasetError, match="data has no rows"):
+        prepare_rows([], None, "data")
+
+
+def test_rewards_are_summed_and_async_functions_are_awaited():
+    async def slow_bonus(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    def length(prompts, completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    assert SummedReward([slow_bonus, length])(["p", "p"], ["a", "abc"]) == [2.0, 4.0]
+
+
+def test_the_custom_task_is_configured_only_with_its_own_keys():
+    with pytest.raises(ConfigError, match="task.reward_funcs applies to the custom task"):
+        load_config(None, ["task.reward_funcs=[m:f]"])
+    with pytest.raises(ConfigError, match="task.answer_field does not apply to the custom task"):
+        load_config(None, ["task.name=custom", "task.answer_field=answer"])
+    config = load_config(None, ["task.name=custom"])
+    with pytest.raises(ConfigError, match="needs task.train_path or task.dataset"):
+        load_task(config.task, seed=0)
+    with pytest.raises(ConfigError, match="at least one reward function"):
+        reward_functions([])
+
+
+def test_without_held_out_rows_the_first_training_prompts_are_evaluated():
+    rows = [{"prompt": f"p{i}"} for i in range(10)]
+    task = custom_task(rows, None, [lambda p, c, **k: [0.0] * len(c)], num_eval=3)
+    assert [r["prompt"] for r in task.eval_rows] == ["p0", "p1", "p2"]
+    assert task.metrics == ("eval_reward",) and task.evaluate is not None
+    task = custom_task(rows, rows[:2], [correctness_reward], eval_func=correctness_reward)
+    assert task.correct_fn is correctness_reward and task.metrics == ("eval_pass@1",)
+
+
+def test_cli_custom_task_trains_on_a_file_with_a_reward_file_and_tensorboard(tmp_path, policy_dir):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}\n", "target": 3 + i % 4}) + "\n"
+                            for i in range(12)))  # fmt: skip
+    run_dir = tmp_path / "run"
+    overrides = [*SYNC, "task.name=custom", f"task.train_path={data}",
+                 f"task.reward_funcs=[{tmp_path / 'my_rewards.py'}:length_reward]",
+                 f"policy.model={policy_dir}", "report_to=[tensorboard]",
+                 f"output_dir={run_dir}"]  # fmt: skip
+    assert main(["train", *overrides]) == 0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert "eval_reward" in records[0] and records[-1]["step"] == 3
+    assert all(r["reward_mean"] <= 0 for r in records if "reward_mean" in r)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    losses = board.Scalars("loss")
+    assert [event.step for event in losses] == [1, 2, 3]
+    assert "eval_reward" in board.Tags()["scalars"]
+
+
+def test_tba_trainer_takes_a_loaded_model_callables_and_rows(tmp_path, tiny_model, tokenizer):
+    seen_columns: set[str] = set()
+
+    def short_is_good(prompts, completions, level, **kwargs):
+        seen_columns.update(["level"])
+        return [-len(c) / 8 + level_ for c, level_ in zip(completions, level)]
+
+    rows = [{"prompt": f"Q{i}\n", "level": 0.5} for i in range(8)]
+    config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
+    trainer = TBATrainer(model=tiny_model, reward_funcs=short_is_good, train_dataset=rows,
+                         args=config, processing_class=tokenizer)  # fmt: skip
+    assert trainer.args.task.reward_funcs == [f"{__name__}:{short_is_good.__qualname__}"]
+    results = trainer.train()
+    assert seen_columns == {"level"}
+    assert Path(results["run_dir"]) == tmp_path / "run"
+    assert set(results["base"]) == {"eval_reward"} and "eval_reward" in results["final"]
+    assert (tmp_path / "run-base-model" / "config.json").exists()
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_tba_trainer_maps_a_peft_config_to_lora(tmp_path, policy_dir):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj"])
+    trainer = TBATrainer(model=str(policy_dir), reward_funcs=[correctness_reward],
+                         train_dataset=[{"prompt": "Q\n", "answer": "1"}],
+                         args=TBAConfig(output_dir=str(tmp_path / "run")),
+                         peft_config=peft_config)  # fmt: skip
+    lora = trainer.args.lora
+    assert (lora.r, lora.alpha, lora.dropout, lora.target_modules) == (4, 8.0, 0.1, ["q_proj"])
+    assert trainer.args.policy.model == str(policy_dir)
+
+
+@pytest.mark.slow
+def test_the_example_runs_asynchronously_with_its_reward_in_a_searcher_process(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "examples" / "custom_reward.py"), "--max-steps", "4",
+               "--output-dir", str(run_dir), "train.mode=async", "searchers.count=1",
+               "train.num_prompts=2", "train.group_size=4", "policy.max_new_tokens=12",
+               "task.num_eval=8", "task.num_eval_pass_k=4", "eval.pass_k=2", "eval.every=2",
+               "pretrain.num_examples=64", "pretrain.steps=4", "pretrain.batch_size=16",
+               f"pretrain.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pass@1" in done.stdout
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert records[-1]["step"] == 4
+    assert any(r.get("samples_in", 0) > 0 for r in records)  # made by the searcher process
