@@ -58,6 +58,17 @@ def test_functions_import_from_a_module_or_a_file(tmp_path):
         import_function("tba.tasks.math:nothing")
 
 
+def test_a_function_from_a_file_reaches_a_process_that_cannot_import_the_file(tmp_path):
+    from ray import cloudpickle  # how Ray sends reward functions to searcher processes
+
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    function = import_function(f"{tmp_path / 'my_rewards.py'}:length_reward")
+    load = "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); print(f(['p'], ['abc'], target=[5]))"  # noqa: E501
+    done = subprocess.run([sys.executable, "-c", load], input=cloudpickle.dumps(function),
+                          capture_output=True, cwd="/")  # fmt: skip
+    assert done.stdout.decode().strip() == "[-0.2]", done.stderr.decode()[-500:]
+
+
 def test_rows_take_a_prompt_column_a_template_or_one_user_message():
     rows, chat = prepare_rows([{"prompt": "hi", "x": 1}], None, "data")
     assert rows == [{"prompt": "hi", "x": 1}] and not chat

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,8 @@ if TYPE_CHECKING:
 
 
 def import_function(spec: str, key: str = "task.reward_funcs") -> Callable:
-    """The function named by `module:function`, the module importable or a `.py` file."""
+    """The function named by `module:function`: a module importable in every process (on a
+    cluster, on every node), or a `.py` file, read here and sent to the searchers by value."""
     module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
         raise ConfigError(f"{key}: {spec!r} is not `module:function`")
@@ -40,7 +40,8 @@ def import_function(spec: str, key: str = "task.reward_funcs") -> Callable:
             if loader is None or not path.exists():
                 raise ImportError(f"no file {path}")
             module = importlib.util.module_from_spec(loader)
-            sys.modules.setdefault(path.stem, module)
+            # Left out of sys.modules on purpose: its functions are then pickled by value and
+            # reach searcher processes that cannot import the file.
             loader.loader.exec_module(module)  # type: ignore[union-attr]
         else:
             module = importlib.import_module(module_name)
