@@ -160,6 +160,20 @@ def test_tba_trainer_takes_a_loaded_model_callables_and_rows(tmp_path, tiny_mode
     assert (tmp_path / "run" / "final" / "config.json").exists()
 
 
+def test_tba_trainer_resumes_a_run_it_started(tmp_path, policy_dir):
+    rows = [{"prompt": f"Q{i}\n", "answer": "1"} for i in range(8)]
+    config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
+    TBATrainer(str(policy_dir), correctness_reward, rows, args=config).train()
+    run_dir = f"output_dir={tmp_path / 'run'}"
+    longer = TBAConfig.from_overrides([*SYNC, "train.max_steps=5", run_dir])
+    results = TBATrainer(str(policy_dir), correctness_reward, rows, args=longer).train(
+        resume_from_checkpoint=True
+    )
+    assert results["steps"] == 5
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+            if "loss" in r] == [1, 2, 3, 4, 5]  # fmt: skip
+
+
 def test_tba_trainer_maps_a_peft_config_to_lora(tmp_path, policy_dir):
     from peft import LoraConfig
 
