@@ -59,13 +59,16 @@ def test_functions_import_from_a_module_or_a_file(tmp_path):
 
 
 def test_a_function_from_a_file_reaches_a_process_that_cannot_import_the_file(tmp_path):
-    from ray import cloudpickle  # how Ray sends reward functions to searcher processes
-
+    # Pickled with Ray's cloudpickle, as Ray sends reward functions to searcher processes; in a
+    # child process, so that this one does not import Ray before `tba` configures it.
     (tmp_path / "my_rewards.py").write_text(REWARDS)
-    function = import_function(f"{tmp_path / 'my_rewards.py'}:length_reward")
+    dump = ("import sys; from ray import cloudpickle; from tba.tasks.custom import import_function;"
+            f" sys.stdout.buffer.write(cloudpickle.dumps(import_function("
+            f"'{tmp_path / 'my_rewards.py'}:length_reward')))")  # fmt: skip
+    pickled = subprocess.run([sys.executable, "-c", dump], capture_output=True, check=True).stdout
     load = "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); print(f(['p'], ['abc'], target=[5]))"  # noqa: E501
-    done = subprocess.run([sys.executable, "-c", load], input=cloudpickle.dumps(function),
-                          capture_output=True, cwd="/")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", load], input=pickled, capture_output=True,
+                          cwd="/")  # fmt: skip
     assert done.stdout.decode().strip() == "[-0.2]", done.stderr.decode()[-500:]
 
 
