@@ -43,19 +43,23 @@ def validate_grouped(
             raise ValueError(f"{name} must have shape (N,) = ({n},), got {tuple(tensor.shape)}")
     if n == 0:
         raise ValueError("the loss needs a non-empty batch")
-    if group_ids.is_floating_point() or group_ids.is_complex():
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
     if not ((mask == 0) | (mask == 1)).all():
         raise ValueError("mask must be boolean or contain only 0 and 1")
     empty = (~mask.bool().any(dim=1)).nonzero().flatten()
     if empty.numel() > 0:
         raise ValueError(f"every sequence needs >= 1 real token; empty rows: {empty.tolist()}")
+    check_group_ids(group_ids, singletons, "for a baseline")
+
+
+def check_group_ids(group_ids: Tensor, singletons: bool, purpose: str) -> None:
+    """Integer ids, and (unless `singletons`) at least two sequences per group."""
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
     ids, counts = torch.unique(group_ids, return_counts=True)
     small = ids[counts < 2]
     if small.numel() > 0 and not singletons:
         raise ValueError(
-            "every group needs >= 2 sequences for a baseline; "
-            f"singleton group ids: {small.tolist()}"
+            f"every group needs >= 2 sequences {purpose}; singleton group ids: {small.tolist()}"
         )
 
 

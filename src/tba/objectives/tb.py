@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 from tba.objectives.common import (
+    check_group_ids,
     check_positive,
     clipped_objective,
     group_mean,
@@ -65,17 +65,8 @@ def _validate(
         raise ValueError(f"all inputs must have the same length, got {lengths}")
     if lengths["logp"] == 0:
         raise ValueError("tb_loss needs a non-empty batch")
-    if group_ids.is_floating_point() or group_ids.is_complex():
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
-    ids, counts = torch.unique(group_ids, return_counts=True)
-    small = ids[counts < 2]
-    if small.numel() > 0 and not learned:
-        raise ValueError(
-            "every group needs >= 2 sequences to estimate log Z; "
-            f"singleton group ids: {small.tolist()}"
-        )
+    check_group_ids(group_ids, learned, "to estimate log Z")
+    check_positive("beta", beta)
 
 
 def tb_residuals(

@@ -22,33 +22,26 @@ CHARSET = string.ascii_letters + string.digits + " \n.,?!:;'$%#+-*/=()<>"
 
 def build_char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
     """One token per character; BOS is prepended to every encoded text, EOS ends responses."""
-    specials = [PAD, BOS, EOS, UNK]
-    vocab = {token: i for i, token in enumerate(specials + sorted(set(charset)))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     # `[\s\S]` rather than `.` so that newlines are characters too.
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-    )
+    split = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    return _closed_vocabulary(set(charset), split, decoders.Fuse())
 
 
 def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     """One token per whitespace-separated word of a closed vocabulary (the embedded red-teaming
     world's); decoding joins words with spaces. BOS is prepended to every encoded text."""
+    joins_with_spaces = decoders.WordPiece(prefix="##", cleanup=False)
+    return _closed_vocabulary(set(words), pre_tokenizers.WhitespaceSplit(), joins_with_spaces)
+
+
+def _closed_vocabulary(symbols: set[str], pre_tokenizer, decoder) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `symbols` (sorted, after the special tokens), left-padded,
+    prepending BOS to every encoded text."""
     specials = [PAD, BOS, EOS, UNK]
-    vocab = {token: i for i, token in enumerate(specials + sorted(set(words)))}
+    vocab = {token: i for i, token in enumerate(specials + sorted(symbols))}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins with spaces
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoder
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
     )
