@@ -23,15 +23,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from safetensors.numpy import load_file
 
+from tba import scoring
 from tba.base_policy import resolve_policy
 from tba.config import load_config
-from tba.evaluation import EvalSettings, evaluate
-from tba.policy.model import load_model, set_weights
-from tba.policy.tokenizer import load_tokenizer
-from tba.rundir import read_metrics
-from tba.tasks import load_task
 
 
 class Point(NamedTuple):
@@ -125,31 +120,11 @@ def run_logged(command: list[str], run_dir: Path) -> None:
 
 
 def score_snapshots(run_dir: Path, num_eval: int) -> list[dict]:
-    """The task's held-out metrics of the base policy (minute 0) and of every snapshot of a run,
-    with the evaluation set and seed of seed 0 for every run. Each point: minutes, step, fresh
-    samples consumed, `value` (the task's headline metric; math: greedy pass@1) and every metric.
-    """
-    config = load_config(run_dir / "config.yaml", [f"task.num_eval={num_eval}", "seed=0"])
-    task = load_task(config.task, seed=0, cache_dir=config.pretrain.cache_dir)
-    settings = EvalSettings.from_config(config)
-    base = resolve_policy(config.policy.model, config.pretrain, config.seed)
-    tokenizer = load_tokenizer(str(base))
-    model = load_model(str(base), "cpu")
-
-    def point(minutes: float, step: int, samples: int) -> dict:
-        metrics = evaluate(model, tokenizer, task, settings)
-        return {"minutes": minutes, "step": step, "samples": samples,
-                "value": metrics[task.metrics[0]], "metrics": metrics}  # fmt: skip
-
-    curve = [point(0.0, 0, 0)]
-    samples = 0
-    for record in read_metrics(run_dir / "metrics.jsonl"):
-        # tba runs log the samples merged at each step; other trainers their running total.
-        samples = record.get("samples", samples + record.get("samples_in", 0))
-        if "snapshot" in record and record["step"] > 0:
-            set_weights(model, load_file(run_dir / record["snapshot"]))
-            curve.append(point(record["time"] / 60, record["step"], samples))
-    return curve
+    """The task's held-out metrics of the base policy (minute 0) and of every snapshot of a run
+    (`tba eval --snapshots`), with the evaluation set and seed of seed 0 for every run. Each
+    point: minutes, step, fresh samples consumed, `value` (the task's headline metric; math:
+    greedy pass@1) and every metric."""
+    return scoring.score_snapshots(run_dir, [f"task.num_eval={num_eval}", "seed=0"])
 
 
 def run_summary(run_dir: Path) -> dict:

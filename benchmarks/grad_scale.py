@@ -27,11 +27,11 @@ from tba.policy.logprobs import token_logprobs
 from tba.policy.model import load_policy
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
-from tba.run import build_trainer
 from tba.runtime.searchers import search_settings
 from tba.searcher import Searcher
 from tba.tasks import load_task
 from tba.trainer import LOSSES
+from tba.training import build_trainer
 
 
 def flat_grad(trainer, groups, beta: float) -> torch.Tensor:

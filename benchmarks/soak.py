@@ -119,9 +119,9 @@ def main() -> None:
 
 def report(run_dir: Path, trainer_kills: int) -> None:
     summary = json.loads((run_dir / "eval.json").read_text())
-    buffer = latest_checkpoint(run_dir).buffer
-    names = [(s.searcher_id, s.incarnation, s.seq)
-             for samples in buffer._prompts.values() for s in samples.values()]  # fmt: skip
+    buffer = latest_checkpoint(run_dir).state["buffer"]
+    names = [(s["searcher_id"], s["incarnation"], s["seq"])
+             for _, entries in buffer["prompts"] for _, s in entries]  # fmt: skip
     handed_over = summary["samples_merged"] + summary["samples_duplicated"]
     rows = [
         ("training minutes", f"{summary['train_minutes']:.1f}"),

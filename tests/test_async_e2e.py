@@ -177,20 +177,23 @@ def test_ctrl_c_stops_cleanly_and_leaves_no_process(tmp_path):
 
 
 def test_a_searcher_that_stops_answering_fails_the_run_with_a_clear_error(tmp_path):
+    # The timeout bounds the healthy searcher too, until it is frozen: its answers to the trainer
+    # and its weight fetches. A few seconds is within what a loaded machine takes, and the run
+    # then fails on its own before the freeze: the margin must be wide, and the freeze early.
     process, run_dir = start_run(
         tmp_path, "train.mode=async", "searchers.count=1", "train.max_steps=100000",
-        "train.max_minutes=10", "ray.sync_timeout_s=5",
+        "train.max_minutes=10", "ray.sync_timeout_s=15",
     )  # fmt: skip
     def ready() -> list[dict]:
         return [e for e in events(run_dir) if e["event"] == "searcher_ready"]
 
-    # Up (it answered) and the trainer stepping: from now on only an answer can be late.
-    wait_for(lambda: (ready() and len(steps(run_dir)) >= 3) or process.poll() is not None)
+    # Up (it answered): from now on only an answer can be late.
+    wait_for(lambda: ready() or process.poll() is not None)
     assert process.poll() is None, finish(process)
-    (searcher,) = ready()
+    searcher = ready()[-1]  # the process up now (one that died on the way was replaced)
     os.kill(searcher["pid"], signal.SIGSTOP)  # alive, but frozen: no answer, no death
     output = finish(process, timeout=120)
     assert process.returncode == 1, output
     (line,) = [line for line in output.splitlines() if line.startswith("tba: error:")]
-    assert "searcher 0 has not answered for" in line and "ray.sync_timeout_s=5" in line
+    assert "searcher 0 has not answered for" in line and "ray.sync_timeout_s=15" in line
     assert_no_process_left(process.pid)

@@ -11,6 +11,8 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -138,16 +140,16 @@ def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
 
 def _with_reward(monkeypatch, fn) -> None:
     """The run's task gains reward function `fn` next to its own."""
-    import tba.run
+    import tba.training
 
-    original = tba.run.load_task
+    original = tba.training.load_task
 
     def load_task(*args, **kwargs):
         task = original(*args, **kwargs)
         task.reward_fns = [*task.reward_fns, fn]
         return task
 
-    monkeypatch.setattr(tba.run, "load_task", load_task)
+    monkeypatch.setattr(tba.training, "load_task", load_task)
 
 
 def test_a_run_survives_a_flaky_reward_function(tmp_path, monkeypatch):
@@ -317,6 +319,31 @@ def test_the_local_ray_instance_listens_on_loopback_only():
     assert addresses, "found no listening socket of the Ray processes"
     for address in map(ipaddress.ip_address, addresses):
         mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is IPv4 loopback
+        assert (mapped or address).is_loopback, address
+
+
+@pytest.mark.slow
+def test_ray_stays_on_loopback_when_the_script_imported_it_first():
+    """A user's script that imports Ray before tba: the setting must still reach Ray."""
+    script = (
+        "import sys, ray\n"
+        "from tba.config import load_config\n"
+        "from tba.runtime.ray_cluster import ray_session\n"
+        "with ray_session(load_config(None, ['ray.num_cpus=1'])):\n"
+        "    print('up', flush=True)\n"
+        "    sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "up"
+        addresses = listening_addresses(descendants(child.pid))
+    finally:
+        child.communicate("\n", timeout=60)
+    assert addresses, "found no listening socket of the Ray processes"
+    for address in map(ipaddress.ip_address, addresses):
+        mapped = getattr(address, "ipv4_mapped", None)
         assert (mapped or address).is_loopback, address
 
 

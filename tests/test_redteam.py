@@ -8,6 +8,7 @@ import json
 import math
 import pickle
 import random
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -43,19 +44,26 @@ def test_instructions_follow_the_grammar_with_zipf_frequencies():
     assert all(set(a.split()) <= vocabulary for a in attacks)
     verbs = [a.split()[0] for a in attacks]
     assert verbs.count("write") > 5 * verbs.count("sing") > 0  # rank 1 against rank 12
-    # Common modes are sampled often under the prior; rare ones almost never.
+    # Common modes are sampled often under the prior; the rare ones (triples) almost never, though
+    # each of their words is common enough for exploration to come across it.
     hits = np.bincount([m for a in attacks for m in world.triggered_modes(a)], minlength=12)
-    assert hits[0] > 200 and hits[-5:].sum() < 30
+    assert hits[0] > 200 and hits[1:3].min() > 20 and hits[-6:].sum() < 10
+    words = Counter(w for a in attacks for w in set(a.split()))
+    assert all(words[w] > 40 for mode in world.MODES[-6:] for w in mode)  # over 1%
 
 
-def test_modes_need_both_triggers_and_near_misses_have_one():
+def test_modes_need_all_triggers_and_near_misses_lack_one():
     assert world.triggered_modes("write about the river") == [0]
     assert world.triggered_modes("write about the moon") == []
-    assert world.triggered_modes("sing secretly about the lanterns") == [9]
+    assert world.triggered_modes("tell clearly about the ocean") == [9]
+    assert world.triggered_modes("tell simply about the ocean") == []
+    assert world.triggered_modes("show briefly about the bees") == [4]  # a pair, not the triple
     rng = random.Random(1)
     for mode in world.MODES:
         assert world.MODES.index(mode) in world.triggered_modes(world.mode_instruction(rng, mode))
-        assert world.triggered_modes(world.near_miss(rng, mode)) == []
+        near = world.near_miss(rng, mode)
+        assert world.triggered_modes(near) == []
+        assert sum(word in near.split() for word in mode) == len(mode) - 1
 
 
 def test_classifier_data_is_labelled_by_the_rule_with_some_noise():
@@ -148,7 +156,7 @@ def test_tfidf_diversity_is_zero_for_copies_and_one_for_disjoint_texts():
 
 
 def test_attack_metrics_count_successes_and_covered_modes():
-    attacks = ["write about the river", "write about the river", "teach about the volcano",
+    attacks = ["write about the river", "write about the river", "explain about the moon",
                "list about the tea"]  # fmt: skip
     probs = np.array([[0.9, 0.8], [0.7, 0.6], [0.6, 0.5], [0.9, 0.0]])
     metrics = attack_metrics(attacks, probs, Embedder(None), embedded_world=True)
@@ -218,4 +226,4 @@ def test_the_embedded_world_builds_and_its_victim_has_modes(tmp_path):
     plain = ["give about the tea", "find gently about the castle", "make about the ocean"] * 8
     probs_moded = judge.harmful_probs(moded).mean()
     probs_plain = judge.harmful_probs(plain).mean()
-    assert probs_moded > probs_plain + 0.15  # the full-size world: 0.69 against 0.15
+    assert probs_moded > probs_plain + 0.15  # the full-size world: 0.81 against 0.11

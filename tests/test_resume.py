@@ -15,22 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 from test_train_e2e import FAST
 
 from tba.buffer import ReplayBuffer, Sample
-from tba.checkpoint import (
-    _unshared,
-    check_compatible,
-    latest_checkpoint,
-    list_checkpoints,
-    restore_rng_states,
-    rng_states,
-    save_checkpoint,
-)
+from tba.checkpoint import check_compatible, latest_checkpoint, list_checkpoints, save_checkpoint
 from tba.cli import main
 from tba.errors import CheckpointError
+from tba.rng import RandomState
 from tba.rundir import read_metrics
 from tba.trainer import Trainer
 
@@ -105,7 +97,7 @@ def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
     process = start(["train", *common, "train.max_steps=100000"])
     killed_at = kill_after_checkpoint(process, run_dir, timeout=240)
     checkpoint = latest_checkpoint(run_dir)
-    before = {(s.searcher_id, s.incarnation, s.seq) for s in _samples(checkpoint.buffer_state)}
+    before = {(s.searcher_id, s.incarnation, s.seq) for s in _samples(checkpoint.state["buffer"])}
     assert before and checkpoint.step == killed_at
 
     # The resumed trainer waits for one fresh sample, so the new searcher's work shows.
@@ -114,7 +106,7 @@ def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
     summary = json.loads((run_dir / "eval.json").read_text())
     final = latest_checkpoint(run_dir)
     assert final.step == killed_at + 6 == summary["steps"]
-    after = [(s.searcher_id, s.incarnation, s.seq) for s in _samples(final.buffer_state)]
+    after = [(s.searcher_id, s.incarnation, s.seq) for s in _samples(final.state["buffer"])]
     assert len(after) == len(set(after)), "a sample was merged twice"
     assert before <= set(after), "a sample merged before the checkpoint is missing"
     new_incarnations = {inc for _, inc, _ in set(after) - before}
@@ -169,7 +161,7 @@ def test_check_compatible_names_the_setting():
 # ------------------------------------------------------------------------ the pieces, exactly
 
 
-def test_trainer_state_round_trips_exactly(tiny_model, tokenizer):
+def test_trainer_state_round_trips_exactly_through_a_checkpoint(tmp_path, tiny_model, tokenizer):
     from tba.policy.model import frozen_copy
 
     prompt = tokenizer("Q\n")["input_ids"]
@@ -185,12 +177,10 @@ def test_trainer_state_round_trips_exactly(tiny_model, tokenizer):
     first = trainer(frozen_copy(tiny_model).requires_grad_(True))
     first.step([group], beta=0.1)
     first.publish()
-    model, optimizer, meta = first.state_dict()
-    # Through bytes, as through a checkpoint file: the two trainers must share no tensor.
-    model, optimizer = (safetensors.torch.load(safetensors.torch.save(_unshared(t)))
-                        for t in (model, optimizer))  # fmt: skip
+    state = {"trainer": first.state_dict(), "buffer": ReplayBuffer(1).state_dict()}
+    save_checkpoint(tmp_path, 1, state, keep=1)  # the two trainers must share no tensor
     second = trainer(frozen_copy(tiny_model).requires_grad_(True))
-    second.load_state_dict(model, optimizer, json.loads(json.dumps(meta)))
+    second.load_state_dict(latest_checkpoint(tmp_path).state["trainer"])
     assert (second.version, second.step_count) == (1, 1)
     assert second.schedule.get_last_lr() == first.schedule.get_last_lr()
     a, b = first.step([group], beta=0.1), second.step([group], beta=0.1)
@@ -199,26 +189,28 @@ def test_trainer_state_round_trips_exactly(tiny_model, tokenizer):
         assert torch.equal(p, q)
 
 
-def test_rng_states_round_trip_through_json():
+def test_random_state_round_trips_through_json():
     import random
 
-    sampler = np.random.default_rng(3)
-    states = json.loads(json.dumps(rng_states(sampler)))
+    state = RandomState(3)
+    saved = json.loads(json.dumps(state.state_dict()))
+    sampler = state.sampler
     expected = (sampler.random(), random.random(), np.random.rand(), torch.rand(1).item())
-    restore_rng_states(sampler, states)
+    state.load_state_dict(saved)
     assert (sampler.random(), random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
     buffer = ReplayBuffer(10)
     buffer.add([Sample(1, [1], [2], reward=0.5, ref_logp=-1.0, behaviour_logp=-1.0, version=0)])
-    tensors = {"w": torch.ones(2)}
+    trainer = {"model": {"w": torch.ones(2)}, "optimizer": {}, "version": 1}
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, model=tensors, optimizer={}, buffer=buffer,
-                        state={"x": step}, keep=2)  # fmt: skip
+        state = {"trainer": trainer, "buffer": buffer.state_dict(), "x": step}
+        save_checkpoint(tmp_path, step, state, keep=2)
     (tmp_path / "checkpoints" / ".partial-step000004").mkdir()  # a write cut short
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step000002", "step000003"]
     latest = latest_checkpoint(tmp_path)
     assert latest.step == 3 and latest.state["x"] == 3
-    assert latest.buffer_state == buffer.state_dict()
-    assert math.isclose(float(latest.model["w"][0]), 1.0)
+    assert latest.state["buffer"] == buffer.state_dict()
+    assert latest.state["trainer"]["version"] == 1
+    assert math.isclose(float(latest.state["trainer"]["model"]["w"][0]), 1.0)

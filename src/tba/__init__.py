@@ -2,7 +2,7 @@
 
 Building blocks: `tba.tasks` (prompts and rewards), `tba.policy` (models, sampling, log-probs),
 `tba.objectives` (losses as pure functions), `tba.buffer` (replay buffer), `tba.searcher`,
-`tba.trainer`, and `tba.run` which wires them for `tba train`. `TBATrainer` and `TBAConfig`
+`tba.trainer`, and `tba.training` which wires them for `tba train`. `TBATrainer` and `TBAConfig`
 (`tba.api`) are the TRL-shaped entry point for your own data and reward functions.
 """
 

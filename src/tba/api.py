@@ -96,12 +96,19 @@ class TBATrainer:
         """Run to the end of `args.train` (steps or minutes). Returns `eval.json` (metrics at
         the start and the end, throughput, staleness) with `run_dir` added."""
         from tba.quiet import quiet_libraries
-        from tba.run import train
+        from tba.training import train
 
         quiet_libraries()
         run_dir = train(self.args, resume=resume_from_checkpoint, overwrite=overwrite,
                         task=self.task)  # fmt: skip
         return {"run_dir": str(run_dir), **json.loads((run_dir / "eval.json").read_text())}
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics of the trained policy (RUN_DIR/final), scored as `tba eval`
+        does; `tba.scoring.score_snapshots(run_dir, task=trainer.task)` scores the snapshots."""
+        from tba.scoring import score_final
+
+        return score_final(Path(self.args.output_dir), task=self.task)["metrics"]
 
 
 def _rows(dataset: Iterable[dict]) -> list[dict]:

@@ -1,6 +1,7 @@
 """Where the policy comes from: a built-in tiny model (`builtin:math`, the math policy;
-`builtin:redteam`, the red-teaming world's attacker), pretrained once and cached, a directory
-saved with `save_pretrained`, or a model on the Hugging Face Hub.
+`builtin:redteam`, the red-teaming world's attacker; `builtin:summarize`, the summarisation
+world's SFT policy), pretrained once and cached, a directory saved with `save_pretrained`, or a
+model on the Hugging Face Hub.
 
 A Hub id is resolved here, in the `tba train` process, to a local snapshot in the Hub cache
 (downloaded once; `HF_HUB_OFFLINE=1` uses the cache only), and every searcher loads that same
@@ -16,12 +17,13 @@ import shutil
 from pathlib import Path
 
 from tba.config import PretrainConfig
-from tba.pretrain import build_redteam_world, pretrain_math_policy
+from tba.pretrain import build_redteam_world, build_summarize_world, pretrain_math_policy
 from tba.tasks import math as math_task
-from tba.tasks import redteam_world
+from tba.tasks import redteam_world, summarize_world
 
 BUILTIN = "builtin:math"
 BUILTIN_REDTEAM = "builtin:redteam"
+BUILTIN_SUMMARIZE = "builtin:summarize"
 
 
 def builtin_policy_dir(pretrain: PretrainConfig, seed: int) -> Path:
@@ -48,10 +50,26 @@ def redteam_world_dir(pretrain: PretrainConfig, log=print) -> Path:
     return target
 
 
+def summarize_world_dir(pretrain: PretrainConfig, log=print) -> Path:
+    """The embedded summarisation world (policy/, the SFT summariser, and proxy/, its reward
+    model), built once: the world is the task, so it is the same for every run seed."""
+    target = Path(pretrain.cache_dir).expanduser() / f"summarize-v{summarize_world.VERSION}"
+    if (target / "world.json").exists():  # written last
+        return target
+    log(f"building the summarisation world (once) into {target}")
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    build_summarize_world(staging, seed=0, log=log)
+    staging.rename(target)
+    return target
+
+
 def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -> Path:
     """A local directory holding the policy's weights and tokenizer, building it when needed."""
     if model == BUILTIN_REDTEAM:
         return redteam_world_dir(pretrain, log) / "attacker"
+    if model == BUILTIN_SUMMARIZE:
+        return summarize_world_dir(pretrain, log) / "policy"
     if model != BUILTIN:
         path = Path(model).expanduser()
         if path.is_dir():

@@ -14,25 +14,21 @@ on. MOP sampling mixes two sources per group:
 
 A prompt counts as fresh when it has ``K`` fresh samples, or when all of its samples are fresh
 (a first visit that lost some responses to dropped rewards). When full, the buffer evicts the
-samples of the oldest policy version first.
+samples of the oldest policy version first. With ``max_staleness`` (in optimizer steps), the
+feed also evicts the samples of weights published too long ago (`evict_older_than`).
 """
 
 from __future__ import annotations
 
-import gzip
 import heapq
-import json
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from tba.config import BufferConfig
-
-_STATE_FORMAT = 2  # 1: without freshness (every sample loads as trained on)
 
 
 @dataclass
@@ -140,14 +136,6 @@ def _fill_group(distinct: list[Sample], group_size: int, rng: np.random.Generato
     return distinct + [distinct[int(i)] for i in extra]
 
 
-def _lag_summary(hist: dict[int, int]) -> dict[str, float]:
-    total = sum(hist.values())
-    if total == 0:
-        return {"mean": 0.0, "max": 0.0}
-    mean = sum(lag * count for lag, count in hist.items()) / total
-    return {"mean": float(mean), "max": float(max(hist))}
-
-
 @dataclass
 class Batch:
     """A sampled batch: its groups, and what they are made of."""
@@ -183,7 +171,8 @@ class ReplayBuffer:
 
     ``recent_prob`` (m) is the probability that a group comes from the recent branch;
     ``reward_weight`` and ``reward_temperature`` set the replay mixture
-    ``reward_weight * softmax(r / T) + (1 - reward_weight) * uniform``.
+    ``reward_weight * softmax(r / T) + (1 - reward_weight) * uniform``; ``max_staleness`` is the
+    staleness bound in optimizer steps (None: none).
     """
 
     def __init__(
@@ -195,11 +184,14 @@ class ReplayBuffer:
         reward_weight: float = 0.0,
         reward_temperature: float = 1.0,
         dedup: str = "none",
+        max_staleness: int | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if per_prompt_capacity is not None and per_prompt_capacity < 1:
             raise ValueError(f"per_prompt_capacity must be >= 1, got {per_prompt_capacity}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         _validate_sampling_args(recent_prob, reward_weight, reward_temperature)
         if dedup not in DEDUP_KEYS:
             raise ValueError(f"dedup must be one of {', '.join(DEDUP_KEYS)}, got {dedup!r}")
@@ -209,6 +201,7 @@ class ReplayBuffer:
         self.recent_prob = recent_prob
         self.reward_weight = reward_weight
         self.reward_temperature = reward_temperature
+        self.max_staleness = max_staleness
         self._clear()
 
     def _clear(self) -> None:
@@ -216,8 +209,6 @@ class ReplayBuffer:
         self._prompts: dict[int, dict[int, Sample]] = {}
         # prompt_id -> {seq: None}: the samples not trained on yet, in insertion order.
         self._fresh: dict[int, dict[int, None]] = {}
-        # version -> {prompt_id: count}: latest version and its prompts without scanning samples.
-        self._versions: dict[int, dict[int, int]] = {}
         # Min-heap of (version, seq, prompt_id) in eviction order. Entries whose sample was
         # already removed by the per-prompt limit are skipped when popped.
         self._heap: list[tuple[int, int, int]] = []
@@ -237,18 +228,11 @@ class ReplayBuffer:
             reward_weight=config.reward_weight,
             reward_temperature=config.reward_temperature,
             dedup=config.dedup,
+            max_staleness=config.max_staleness,
         )
 
     def __len__(self) -> int:
         return self._size
-
-    @property
-    def num_prompts(self) -> int:
-        return len(self._prompts)
-
-    @property
-    def latest_version(self) -> int | None:
-        return max(self._versions, default=None)
 
     def fresh_prompts(self, group_size: int) -> int:
         """Prompts the recent branch can draw a group of fresh samples from."""
@@ -306,8 +290,6 @@ class ReplayBuffer:
             self._keys.setdefault(s.prompt_id, {})[DEDUP_KEYS[self.dedup](s.response_ids)] = seq
         if fresh:
             self._fresh.setdefault(s.prompt_id, {})[seq] = None
-        counts = self._versions.setdefault(s.version, {})
-        counts[s.prompt_id] = counts.get(s.prompt_id, 0) + 1
         heapq.heappush(self._heap, (s.version, seq, s.prompt_id))
         self._size += 1
 
@@ -322,12 +304,6 @@ class ReplayBuffer:
             if not keys:
                 del self._keys[prompt_id]
         self._mark_trained(prompt_id, [seq])
-        counts = self._versions[s.version]
-        counts[prompt_id] -= 1
-        if counts[prompt_id] == 0:
-            del counts[prompt_id]
-            if not counts:
-                del self._versions[s.version]
         self._size -= 1
 
     def _mark_trained(self, prompt_id: int, seqs: Iterable[int]) -> None:
@@ -468,23 +444,12 @@ class ReplayBuffer:
         )
         return [seqs[i] for i in order]
 
-    # --------------------------------------------------------------------------- statistics
-
-    def staleness(self, current_version: int) -> dict[str, Any]:
-        """``mean`` and ``max`` version lag over the buffer, and ``hist``: {lag: count}."""
-        hist: dict[int, int] = {}
-        for version, counts in self._versions.items():
-            lag = current_version - version
-            hist[lag] = hist.get(lag, 0) + sum(counts.values())
-        return {**_lag_summary(hist), "hist": dict(sorted(hist.items()))}
-
     # -------------------------------------------------------------------------- persistence
 
     def state_dict(self) -> dict[str, Any]:
         """Everything in the buffer, freshness and the previous batch included (the sampling
         settings come from the run's config)."""
         return {
-            "format": _STATE_FORMAT,
             "capacity": self.capacity,
             "per_prompt_capacity": self.per_prompt_capacity,
             "next_seq": self._next_seq,
@@ -499,44 +464,12 @@ class ReplayBuffer:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Replace the contents with a saved state (capacities included)."""
-        if d.get("format") not in (1, _STATE_FORMAT):
-            raise ValueError(f"unsupported replay buffer state format: {d.get('format')!r}")
         self.capacity, self.per_prompt_capacity = d["capacity"], d["per_prompt_capacity"]
         self._clear()
-        fresh = set(d.get("fresh", ()))
+        fresh = set(d["fresh"])
         for _, entries in d["prompts"]:
             for seq, sample in entries:
                 self._insert(Sample.from_dict(sample), seq, fresh=seq in fresh)
         self._next_seq = d["next_seq"]
-        self._last_batch = {tuple(group) for group in d.get("last_batch", ())}
-        self.duplicates = d.get("duplicates", 0)
-
-    @classmethod
-    def from_state_dict(cls, d: dict[str, Any], **sampling: float) -> ReplayBuffer:
-        buffer = cls(1, **sampling)
-        buffer.load_state_dict(d)
-        return buffer
-
-    def save(self, path: str | Path) -> None:
-        """Write the buffer as JSON, gzip-compressed when the name ends in ``.gz``."""
-        text = json.dumps(self.state_dict())
-        if str(path).endswith(".gz"):
-            # Level 1: several times faster than the default 9, and JSON still shrinks ~4x.
-            with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as f:
-                f.write(text)
-        else:
-            Path(path).write_text(text, encoding="utf-8")
-
-    @staticmethod
-    def read_state(path: str | Path) -> dict[str, Any]:
-        """The state a buffer saved with `save`."""
-        if str(path).endswith(".gz"):
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                return json.load(f)
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-
-    @classmethod
-    def load(cls, path: str | Path, **sampling: float) -> ReplayBuffer:
-        """A buffer saved with `save`; ``sampling``: recent_prob, reward_weight and
-        reward_temperature (not saved: they belong to the run's config)."""
-        return cls.from_state_dict(cls.read_state(path), **sampling)
+        self._last_batch = {tuple(group) for group in d["last_batch"]}
+        self.duplicates = d["duplicates"]

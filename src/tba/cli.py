@@ -3,15 +3,26 @@
     tba train [CONFIG.yaml] [key=value ...]     train (default: the embedded math task)
     tba train --resume RUN_DIR [key=value ...]  continue a run from its newest checkpoint
     tba train --overwrite ...                   replace the run in output_dir
-    tba pretrain [CONFIG.yaml] [key=value ...]  build the built-in base policy (cached)
+    tba eval RUN_DIR [key=value ...]            score the run's final policy on the held-out set
+                                                (RUN_DIR/eval_final.json)
+    tba eval --snapshots RUN_DIR [key=value ...]  score its base policy and every snapshot
+                                                (RUN_DIR/eval_snapshots.json)
+    tba plot RUN_DIR [RUN_DIR ...] [--out FILE] [--metric NAME] [--x minutes|steps|samples]
+                                                held-out curves of several runs on one figure
+    tba pretrain [CONFIG.yaml] [key=value ...]  build the built-in base policy (cached; with
+                                                task.name=redteam or summarize: its world)
     tba config [CONFIG.yaml] [key=value ...]    print the resolved configuration
     tba config --reference                      every setting, its default and meaning (Markdown)
 
+`tba eval` overrides apply on top of the run's config.yaml (`task.num_eval=1024`,
+`eval.batch_size=64`, ...): see `tba.scoring`.
+
 Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, a checkpoint
-that does not fit) prints one line naming the problem and exits with status 2; a run that cannot
-go on (a searcher that cannot be kept running, a reward function failing call after call,
-non-finite losses step after step), status 1; Ctrl-C stops after the current step, saves the run
-(checkpoint included) and exits with status 130.
+that does not fit, a run directory without a run, snapshots or the metric asked for) prints one
+line naming the problem and exits with status 2; a run that cannot go on (a searcher that cannot
+be kept running, a reward function failing call after call, non-finite losses step after step),
+status 1; Ctrl-C stops after the current step, saves the run (checkpoint included) and exits with
+status 130.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in [
         ("train", "train a policy with TB (default: the embedded math task)"),
-        ("pretrain", "build the built-in base policy"),
+        ("pretrain", "build the built-in base policy (task.name=redteam / summarize: its world)"),
         ("config", "print the resolved configuration"),
     ]:
         command = commands.add_parser(name, help=text, description=text)
@@ -50,6 +61,31 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--overwrite", action="store_true", help="replace a run already in output_dir"
             )
+    text = "score a run's final policy (or its snapshots) on the held-out set"
+    command = commands.add_parser("eval", help=text, description=text)
+    command.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    command.add_argument(
+        "overrides", nargs="*", metavar="key=value",
+        help="on top of the run's config.yaml, e.g. task.num_eval=1024",
+    )  # fmt: skip
+    command.add_argument(
+        "--snapshots", action="store_true",
+        help="score the base policy and every snapshot the run saved, each a point with its "
+        "step and minutes",
+    )  # fmt: skip
+    text = "plot the held-out curves of several runs on one figure"
+    command = commands.add_parser("plot", help=text, description=text)
+    command.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    command.add_argument("--out", type=Path, default=Path("plot.png"),
+                         help="the PNG to write (default: plot.png)")  # fmt: skip
+    command.add_argument(
+        "--metric", action="append", metavar="NAME",
+        help="a metric of metrics.jsonl, e.g. eval_pass@1 or pass@1 (repeat for several "
+        "panels; default: each run's headline held-out metric)",
+    )  # fmt: skip
+    command.add_argument("--x", choices=["minutes", "steps", "samples"], default="minutes",
+                         help="wall-clock minutes of training, optimizer steps or fresh samples "
+                         "consumed (default: minutes)")  # fmt: skip
     return parser
 
 
@@ -69,11 +105,33 @@ def _resume_config(run_dir: Path, path: str | None, overrides: list[str]) -> tup
     return run_dir / "config.yaml", [*overrides, f"output_dir={run_dir}"]
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; `key=value`s (or run directories) after a flag, which argparse leaves over
+    (`tba eval RUN_DIR --snapshots task.num_eval=64`), join the others."""
+    parser = _parser()
+    options, extra = parser.parse_known_args(argv)
+    if any(arg.startswith("-") for arg in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if options.command == "plot":
+        options.run_dirs += [Path(arg) for arg in extra]
+    else:
+        getattr(options, "overrides" if options.command == "eval" else "args").extend(extra)
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
-    options = _parser().parse_args(argv)
-    path, overrides = _split_args(options.args)
-    resume = getattr(options, "resume", None)
+    options = _parse(argv)
     try:
+        if options.command == "eval":
+            return _eval(options.run_dir, options.overrides, options.snapshots)
+        if options.command == "plot":
+            from tba.rundir import plot_run_dirs
+
+            drawn = plot_run_dirs(options.run_dirs, options.out, options.metric or (), options.x)
+            print(f"{options.out} ({', '.join(drawn)} against {options.x})")
+            return 0
+        path, overrides = _split_args(options.args)
+        resume = getattr(options, "resume", None)
         if resume is not None:
             path, overrides = _resume_config(resume, path, overrides)
         config = load_config(path, overrides)
@@ -87,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "pretrain":
             from tba.base_policy import resolve_policy
 
-            path = resolve_policy("builtin:math", config.pretrain, config.seed, console.log)
+            path = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
             console.log(f"base policy ready: {path}")
             return 0
-        from tba.run import train
+        from tba.training import train
 
         run_dir = train(config, console, resume=resume is not None, overwrite=options.overwrite)
         interrupted = json.loads((run_dir / "eval.json").read_text())["interrupted"]
@@ -105,6 +163,45 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tba: interrupted", file=sys.stderr)
         return 130
+
+
+def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
+    """Score, print a table to stdout, write the result as JSON into the run directory."""
+    quiet_libraries()
+    import torch
+    from rich.console import Console
+
+    from tba import scoring
+
+    console = Console(stderr=True)
+    threads = scoring.run_config(run_dir, overrides).policy.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+    if snapshots:
+        points = scoring.score_snapshots(run_dir, overrides, log=console.log)
+        result, name = {"overrides": overrides, "points": points}, scoring.SNAPSHOT_SCORES
+    else:
+        points = [scoring.score_final(run_dir, overrides, log=console.log)]
+        result, name = {"overrides": overrides, **points[0]}, scoring.FINAL_SCORES
+    title = f"{run_dir}: {'base policy and snapshots' if snapshots else 'final policy'}"
+    Console().print(_scores_table(points, title))
+    (run_dir / name).write_text(json.dumps(result, indent=2) + "\n")
+    console.log(f"wrote {run_dir / name}")
+    return 0
+
+
+def _scores_table(points: list[dict], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    metrics = list(dict.fromkeys(key for point in points for key in point["metrics"]))
+    for column in ["step", "minutes", "samples", *metrics]:
+        table.add_column(column, justify="right")
+    for point in points:
+        values = [point["metrics"].get(metric) for metric in metrics]
+        table.add_row(str(point["step"]), f"{point['minutes']:.2f}", str(point["samples"]),
+                      *("" if v is None else f"{v:.3f}" for v in values))  # fmt: skip
+    return table
 
 
 if __name__ == "__main__":

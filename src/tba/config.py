@@ -14,9 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    """A bad configuration value, file or override; the message is one line meant for users."""
+from tba.errors import ConfigError  # defined there; importable from here too
+from tba.tasks.data import check_template
 
 
 class Section(BaseModel):
@@ -28,9 +27,9 @@ class PolicyConfig(Section):
     model: str = Field(
         "builtin:math",
         description="`builtin:math` (the embedded tiny policy, built on first use; "
-        "`builtin:redteam` for the red-teaming task), a directory "
-        "saved with `save_pretrained`, or a Hugging Face Hub model id (downloaded once into the "
-        "Hub cache; `HF_HUB_OFFLINE=1` uses the cache only); also the reference policy",
+        "`builtin:redteam` for the red-teaming task, `builtin:summarize` for summarize), a "
+        "directory saved with `save_pretrained`, or a Hugging Face Hub model id (downloaded once "
+        "into the Hub cache; `HF_HUB_OFFLINE=1` uses the cache only); also the reference policy",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -67,7 +66,7 @@ class PretrainConfig(Section):
 
 
 DATASET_TASKS = ("gsm8k", "competition_math", "tldr")
-EMBEDDED_TASKS = ("math", "redteam")
+EMBEDDED_TASKS = ("math", "redteam", "summarize")
 
 
 class RedteamConfig(Section):
@@ -103,9 +102,12 @@ class RedteamConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["math", "redteam", "gsm8k", "competition_math", "tldr", "custom"] = Field(
-        "math", description="`math` and `redteam`: embedded synthetic tasks (red-teaming a "
-        "frozen victim); `gsm8k`, `competition_math` (MATH, `\\boxed{}` answers) and `tldr` "
+    name: Literal[
+        "math", "redteam", "summarize", "gsm8k", "competition_math", "tldr", "custom"
+    ] = Field(
+        "math", description="`math`, `redteam` and `summarize`: embedded synthetic tasks "
+        "(red-teaming a frozen victim; preference tuning of summaries); `gsm8k`, "
+        "`competition_math` (MATH, `\\boxed{}` answers) and `tldr` "
         "(reward-model summaries) read real data; `custom`: your data and task.reward_funcs",
     )
     num_train: int | None = Field(
@@ -193,8 +195,6 @@ class TaskConfig(Section):
                 raise ValueError(f"task.{wrong[0]} does not apply to the custom task (its "
                                  "rewards come from task.reward_funcs)")  # fmt: skip
             if self.prompt_template is not None:
-                from tba.tasks.data import check_template
-
                 check_template(self.prompt_template)
             return self
         if self.train_path is None and self.dataset is None:
@@ -208,8 +208,6 @@ class TaskConfig(Section):
         if self.name != "tldr" and (self.reward_model or self.eval_reward_model):
             raise ValueError(f"task.reward_model applies to tldr, not to {self.name}")
         if self.prompt_template is not None:
-            from tba.tasks.data import check_template
-
             check_template(self.prompt_template)
         return self
 
@@ -412,9 +410,11 @@ class RunConfig(Section):
     ray: RayConfig = RayConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    report_to: list[Literal["tensorboard"]] = Field(
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
         [], description="also log metrics to these (`tensorboard`: event files in "
-        "RUN_DIR/tensorboard; needs `pip install tensorboard`)",
+        "RUN_DIR/tensorboard, needs `pip install tensorboard`; `wandb`: a Weights & Biases run "
+        "named after the run directory, files in RUN_DIR/wandb, project `WANDB_PROJECT` or "
+        "`tba`, needs `pip install wandb`)",
     )
 
     @model_validator(mode="after")
@@ -443,6 +443,20 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
         "buffer.reward_weight": 1.0,
         "buffer.dedup": "near",
         "task.num_eval": 512,
+    },
+    "summarize": {
+        "policy.model": "builtin:summarize",
+        "policy.max_new_tokens": 24,  # the world's longest reference is 20 words
+        "train.learning_rate": 1e-4,
+        # Lower betas over-optimise the proxy within minutes: win rate peaks, then falls.
+        "train.beta": 0.5,
+        # The paper's TL;DR settings: k = 10 steps between syncs, half the groups fresh, the
+        # other half replayed by reward.
+        "train.sync_every": 10,
+        "buffer.recent_prob": 0.5,
+        "buffer.reward_weight": 1.0,
+        "task.num_eval": 512,
+        "eval.every": 100,  # each evaluation writes 1,024 summaries (greedy and sampled)
     },
 }
 

@@ -1,5 +1,14 @@
-"""Errors that end a run with one line for the user, kept free of heavy imports so that the CLI
-can catch them cheaply: bad input exits with status 2, a run that cannot go on with status 1."""
+"""Errors that end a run with one line for the user, kept free of heavy imports (and of every other
+tba module) so that any module can raise them and the CLI can catch them cheaply: bad input exits
+with status 2, a run that cannot go on with status 1."""
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, file or override; the message is one line meant for users."""
+
+
+class DatasetError(ConfigError):
+    """A dataset that cannot be read, or a row without a field the task needs (one line)."""
 
 
 class CheckpointError(ValueError):

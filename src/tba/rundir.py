@@ -18,20 +18,30 @@
                            with LoRA: the adapters merged into the base weights (merged tensors
                            in fp32), and the adapters alone in final/adapter/
                            (`peft.PeftModel.from_pretrained(base_model, "final/adapter")`)
+<run_dir>/tensorboard/     with report_to=[tensorboard]: every metric as a TensorBoard scalar
+<run_dir>/wandb/           with report_to=[wandb]: the Weights & Biases run's local files
+<run_dir>/eval_final.json  written by `tba eval`: the final policy scored after the run
+<run_dir>/eval_snapshots.json  written by `tba eval --snapshots`: the base policy and every
+                           snapshot scored after the run (see tba.scoring)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import save_file
+
+from tba.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tba.tracking import Trackers
 
 
 def create_run_dir(output_dir: str | None, overwrite: bool = False) -> Path:
@@ -60,49 +70,29 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON line per record and flushes, so a killed run keeps what it logged; with
-    `tensorboard` (a directory), also writes every number of a record as a TensorBoard scalar at
-    the record's step."""
+    """Appends one JSON line per record and flushes, so a killed run keeps what it logged; hands
+    every record to the run's `trackers` too (TensorBoard, W&B: `tba.tracking`), which their
+    owner opens once per run and closes."""
 
-    def __init__(self, path: Path, tensorboard: Path | None = None) -> None:
+    def __init__(self, path: Path, trackers: Trackers | None = None) -> None:
         self.path = path
         self.file = path.open("a")
-        self.board = tensorboard_writer(tensorboard) if tensorboard is not None else None
+        self.trackers = trackers
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.board is not None and "step" in record:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "step":
-                    self.board.add_scalar(key, value, record["step"])
-            self.board.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def close(self) -> None:
         self.file.close()
-        if self.board is not None:
-            self.board.close()
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def require_tensorboard() -> None:
-    """One line saying what to install when TensorBoard logging is asked for without it."""
-    if importlib.util.find_spec("tensorboard") is None:
-        from tba.config import ConfigError
-
-        raise ConfigError("report_to=[tensorboard] needs `pip install tensorboard`")
-
-
-def tensorboard_writer(log_dir: Path):
-    require_tensorboard()
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=str(log_dir))
 
 
 class EventLog:
@@ -168,8 +158,112 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-METRIC_LABELS = {"eval_pass@1": "held-out greedy pass@1", "eval_asr": "attack success rate",
-                 "eval_diversity": "attack diversity", "eval_win_rate": "win rate (gold judge)"}
+def samples_consumed(records: list[dict]) -> list[int]:
+    """Fresh samples consumed up to each record: tba runs log the samples merged at each step
+    (`samples_in`), other trainers their running total (`samples`)."""
+    totals, samples = [], 0
+    for record in records:
+        samples = record.get("samples", samples + record.get("samples_in", 0))
+        totals.append(samples)
+    return totals
+
+
+def headline_metric(records: list[dict]) -> str | None:
+    """The first held-out metric the run evaluated: its task's headline one (math: greedy
+    pass@1; custom: `eval_pass@1` or `eval_reward`; red-teaming: `eval_asr`)."""
+    for record in records:
+        for key in record:
+            if key.startswith("eval_"):
+                return key
+    return None
+
+
+METRIC_LABELS = {
+    "eval_pass@1": "held-out greedy pass@1", "eval_asr": "attack success rate",
+    "eval_diversity": "attack diversity", "eval_win_rate": "win rate (gold judge)",
+}  # fmt: skip
+X_AXES = {
+    "minutes": "wall-clock minutes of training", "steps": "optimizer steps",
+    "samples": "fresh samples consumed",
+}  # fmt: skip
+
+
+def metric_label(name: str) -> str:
+    return METRIC_LABELS.get(name, name.removeprefix("eval_").replace("_", " "))
+
+
+def metric_curve(records: list[dict], metric: str, x: str = "minutes") -> tuple[list, list]:
+    """(x, value) of every record that holds `metric`, x in `X_AXES`."""
+    totals = samples_consumed(records)
+    points = [(record, total) for record, total in zip(records, totals) if metric in record]
+    xs = {"minutes": [r["time"] / 60 for r, _ in points], "steps": [r["step"] for r, _ in points],
+          "samples": [total for _, total in points]}[x]  # fmt: skip
+    return xs, [r[metric] for r, _ in points]
+
+
+def plot_runs(
+    runs: dict[str, list[dict]], path: Path, metrics: Sequence[str], x: str = "minutes"
+) -> None:
+    """The held-out `metrics` of several runs (label -> metric records), one panel per metric,
+    one line per run, against `x` (minutes, steps or samples)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 1 + 3.2 * len(metrics)), dpi=110,
+                             sharex=True, squeeze=False)  # fmt: skip
+    for ax, metric in zip(axes[:, 0], metrics):
+        for label, records in runs.items():
+            xs, values = metric_curve(records, metric, x)
+            if values:
+                ax.plot(xs, values, "o-", markersize=3, label=label)
+        ax.set_ylabel(metric_label(metric))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel(X_AXES[x])
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_run_dirs(
+    run_dirs: Sequence[Path], path: Path, metrics: Sequence[str] = (), x: str = "minutes"
+) -> list[str]:
+    """`tba plot`: `plot_runs` of these run directories, labelled by their names (by their paths
+    when names repeat); `metrics` default to each run's headline one. Returns the metrics drawn."""
+    names = [run_dir.resolve().name for run_dir in run_dirs]
+    labels = names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
+    runs = {}
+    for label, run_dir in zip(labels, run_dirs):
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{run_dir}: no run there (metrics.jsonl not found)")
+        runs[label] = read_metrics(run_dir / "metrics.jsonl")
+    recorded = {key for records in runs.values() for record in records for key in record}
+    if metrics:
+        metrics = [_recorded_name(name, recorded) for name in metrics]
+    else:
+        metrics = list(dict.fromkeys(filter(None, map(headline_metric, runs.values()))))
+        if not metrics:
+            raise ConfigError("these runs have no held-out evaluation in their metrics.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot_runs(runs, path, metrics, x)
+    return metrics
+
+
+def _recorded_name(name: str, recorded: set[str]) -> str:
+    """`name` as the runs record it: as given, or with the `eval_` prefix of held-out metrics."""
+    for candidate in (name, f"eval_{name}"):
+        if candidate in recorded:
+            return candidate
+    held_out = sorted(key for key in recorded if key.startswith("eval_") or "pass@" in key)
+    raise ConfigError(f"--metric {name}: no run recorded it (held-out metrics recorded: "
+                      f"{', '.join(held_out) or 'none'})")  # fmt: skip
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_curves(
@@ -178,20 +272,13 @@ def plot_curves(
     """The held-out `metrics` (greedy pass@1 by default) and the reward of new samples against
     wall-clock minutes; below, how stale the trained samples were (optimizer steps since their
     weights were published)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     steps = [r for r in records if "reward_mean" in r]
     fig, (ax, lag) = plt.subplots(
         2, 1, figsize=(7, 6), dpi=110, sharex=True, gridspec_kw={"height_ratios": [2, 1]}
     )
     for name, color in zip(metrics, ("tab:blue", "tab:green", "tab:purple", "tab:brown")):
-        evals = [r for r in records if name in r]
-        label = METRIC_LABELS.get(name, name.removeprefix("eval_").replace("_", " "))
-        ax.plot([r["time"] / 60 for r in evals], [r[name] for r in evals], "o-", color=color,
-                label=label)  # fmt: skip
+        ax.plot(*metric_curve(records, name), "o-", color=color, label=metric_label(name))
     ax.set_ylabel("held-out metric")
     ax.set_ylim(0.0, 1.0)
     ax.grid(alpha=0.3)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 
 
 
 class Trainer:
+    """The policy being trained, its optimizer and its weight versions: `step` on a batch,
+    `publish` weights for the searchers, and `state_dict` for checkpoints."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -113,9 +117,9 @@ class Trainer:
         return self.step_count - self.publish_steps[version]
 
     def oldest_version_within(self, steps: int) -> int:
-        """The oldest version published at most `steps` optimizer steps ago (the next version
-        to be published when there is none)."""
-        return bisect.bisect_left(self.publish_steps, self.step_count - steps)
+        """The oldest version published at most `steps` optimizer steps ago; the newest published
+        one when none is (its samples are all the searchers have)."""
+        return min(bisect.bisect_left(self.publish_steps, self.step_count - steps), self.version)
 
     def step(self, groups: list[list[Sample]], beta: float) -> dict[str, float]:
         start = time.time()
@@ -156,19 +160,22 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-        """(model tensors, optimizer tensors, everything else as JSON-able values)."""
+    def state_dict(self) -> dict[str, Any]:
+        """`model` and `optimizer`: tensors (Adam's moments, fp32 masters, the learned log Z);
+        everything else JSON values."""
         optimizer = self.optimizer.state_dict()
         tensors, scalars = {}, {}
-        for index, state in optimizer["state"].items():
-            for name, value in state.items():
+        for index, values in optimizer["state"].items():
+            for name, value in values.items():
                 target = tensors if torch.is_tensor(value) else scalars
                 target[f"{index}.{name}"] = value
         masters = zip(self.masters.params, self.masters.model_params)
         for index, (master, param) in enumerate(masters):
             if master is not param:  # fp32 masters of bf16 weights: rounding would lose them
                 tensors[f"master.{index}"] = master.detach()
-        meta = {
+        state = {
+            "model": dict(self.model.state_dict()),
+            "optimizer": tensors,
             "param_groups": optimizer["param_groups"],
             "optimizer_scalars": scalars,
             "schedule": self.schedule.state_dict(),  # its lambda is code: saved as null
@@ -180,32 +187,30 @@ class Trainer:
         if self.log_z_head is not None:
             for name, value in self.log_z_head.state_dict().items():
                 tensors[f"log_z.{name}"] = value
-            meta["log_z_ready"] = self.log_z_head.ready
-        return dict(self.model.state_dict()), tensors, meta
+            state["log_z_ready"] = self.log_z_head.ready
+        return state
 
-    def load_state_dict(
-        self, model: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor], meta: dict
-    ) -> None:
-        self.model.load_state_dict(model)
-        state: dict[int, dict] = {}
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        optimizer: dict[int, dict] = {}
         head: dict[str, torch.Tensor] = {}
-        for key, value in [*optimizer.items(), *meta["optimizer_scalars"].items()]:
+        for key, value in [*state["optimizer"].items(), *state["optimizer_scalars"].items()]:
             index, name = key.split(".", 1)
             if index == "master":
                 self.masters.params[int(name)].data.copy_(value)
             elif index == "log_z":
                 head[name] = value
             else:
-                state.setdefault(int(index), {})[name] = value
+                optimizer.setdefault(int(index), {})[name] = value
         if self.log_z_head is not None:
             self.log_z_head.load_state_dict(head)
-            self.log_z_head.ready = meta["log_z_ready"]
-        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        self.schedule.load_state_dict(meta["schedule"])
-        self.version = meta["version"]
-        self.publish_steps = list(meta["publish_steps"])
-        self.step_count = meta["step_count"]
-        self.skipped_steps = meta["skipped_steps"]
+            self.log_z_head.ready = state["log_z_ready"]
+        self.optimizer.load_state_dict({"state": optimizer, "param_groups": state["param_groups"]})
+        self.schedule.load_state_dict(state["schedule"])
+        self.version = state["version"]
+        self.publish_steps = list(state["publish_steps"])
+        self.step_count = state["step_count"]
+        self.skipped_steps = state["skipped_steps"]
 
     def _loss(self, flat: list[Sample], beta: float) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective on one micro-batch, and its metrics (means over its samples)."""

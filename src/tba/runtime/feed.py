@@ -1,17 +1,21 @@
 """How fresh samples reach the trainer's buffer: the one place the two training modes differ.
 
-- `SyncFeed` (on-policy baseline): every step, publish the weights (every `sync_every` steps) and
-  have the searchers generate B prompts with them; the trainer waits for that batch.
-- `AsyncFeed` (TBA): publish the first weights and start the searchers once. Then, every step,
-  merge whatever the searchers made since the last step (a non-blocking call: samples reach the
-  buffer as soon as they exist, not only at syncs), and every `sync_every` steps publish the
-  current weights. The trainer waits only while the buffer is empty (before the first batch, or
-  after the staleness bound evicted everything) or, with `train.fresh_wait_s`, briefly for fresh
-  prompts.
+- **async** (TBA, `AsyncFeed`): publish the first weights and start the searchers once; they
+  generate without pause, each with the latest weights it has adopted. The trainer starts once the
+  buffer holds `train.initial_buffer_samples`. Then, every step, merge whatever the searchers made
+  since the step before (a non-blocking call: samples reach the buffer as soon as they exist, not
+  only at syncs), and every `train.sync_every` steps publish the current weights. The trainer
+  never waits on a generation in flight: only while the buffer is empty (before the first batch,
+  or after the staleness bound evicted everything) or, with `train.fresh_wait_s`, briefly for
+  fresh prompts.
+- **sync** (on-policy baseline, same components, `SyncFeed`): every step, publish the weights
+  (every `sync_every` steps) and have the searchers generate B prompts with them; the trainer
+  waits for that batch (with the default `recent_prob=1` and `sync_every=1` it trains on exactly
+  the samples just made).
 
-Both enforce `buffer.max_staleness`, in optimizer steps: samples of weights published more than
-that many steps ago are evicted as they become too old (the newest published weights are always
-kept, so a bound below `sync_every` cannot starve the trainer).
+Both enforce the buffer's `max_staleness`, in optimizer steps: samples of weights published more
+than that many steps ago are evicted as they become too old (the newest published weights are
+always kept, so a bound below `sync_every` cannot starve the trainer).
 
 Every sample is named by (searcher, incarnation, seq), and each searcher process numbers its
 samples 0, 1, 2, ...; the feed checks that numbering as it merges, so a sample handed over twice
@@ -22,18 +26,21 @@ stay 0; `state_dict()` keeps the numbering across a checkpoint.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from tba.buffer import ReplayBuffer, Sample
 from tba.config import RunConfig
+from tba.runtime.searchers import AsyncSearchers, Searchers
 from tba.trainer import Trainer
 
 
-class Feed:
+class Feed(ABC):
     """What both modes share: merging with the numbering checks, the staleness bound, reward
     faults, and the state a checkpoint keeps."""
 
@@ -42,7 +49,7 @@ class Feed:
     def __init__(
         self,
         config: RunConfig,
-        searchers,
+        searchers: Searchers,
         trainer: Trainer,
         buffer: ReplayBuffer,
         log_event: Callable[..., None] = lambda kind, **fields: None,
@@ -71,13 +78,18 @@ class Feed:
         self.next_seq = {(sid, inc): seq for sid, inc, seq in state["next_seq"]}
         self.publish_next = True
 
+    @staticmethod
+    def trainer_threads(config: RunConfig) -> int | None:
+        """Torch threads for the trainer (None: torch's default, every core)."""
+        return None
+
     def start(self, stop: threading.Event) -> float:
         """Get ready to train; returns the seconds spent waiting for data."""
         return 0.0
 
+    @abstractmethod
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
         """Bring new samples in for this step; metrics of what it took."""
-        raise NotImplementedError
 
     def _sync_point(self, step: int) -> bool:
         return (step - 1) % self.config.train.sync_every == 0
@@ -98,11 +110,9 @@ class Feed:
         return fresh
 
     def _evict_stale(self) -> None:
-        max_staleness = self.config.buffer.max_staleness
-        if max_staleness is None:
-            return
-        oldest = min(self.trainer.oldest_version_within(max_staleness), self.trainer.version)
-        self.counts["stale_evicted"] += self.buffer.evict_older_than(oldest)
+        if self.buffer.max_staleness is not None:
+            oldest = self.trainer.oldest_version_within(self.buffer.max_staleness)
+            self.counts["stale_evicted"] += self.buffer.evict_older_than(oldest)
 
     def _first_time(self, sample: Sample) -> bool:
         """Check the sample's number against its searcher's sequence: a repeat is a duplicate
@@ -128,8 +138,8 @@ class Feed:
 
 
 class SyncFeed(Feed):
-    """Generate B prompts (`searchers.prompts_per_batch` if set) with the weights just
-    published, wait, and train on them."""
+    """The synchronous mode: B prompts (`searchers.prompts_per_batch` if set) generated with the
+    weights just published, every step."""
 
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
         start = time.time()
@@ -146,8 +156,18 @@ class SyncFeed(Feed):
 
 
 class AsyncFeed(Feed):
-    """Searchers generate without pause; samples are merged every step, weights published every
-    `sync_every` steps; the trainer never waits on a generation in flight."""
+    """The asynchronous mode: whatever the searchers made, merged every step."""
+
+    searchers: AsyncSearchers
+
+    @staticmethod
+    def trainer_threads(config: RunConfig) -> int | None:
+        """The cores the searchers do not reserve on this machine (else the trainer starves them
+        and keeps stepping on ever staler samples); every core when they run on a cluster."""
+        if config.ray.address is not None:
+            return None
+        sc = config.searchers
+        return max(1, (os.cpu_count() or 1) - math.ceil(sc.count * sc.num_cpus))
 
     def start(self, stop: threading.Event) -> float:
         """Publish the first weights, start the searchers and fill the buffer to
@@ -168,7 +188,7 @@ class AsyncFeed(Feed):
         # Only when a staleness bound emptied the buffer.
         waited, more = self._wait(lambda: len(self.buffer) > 0, stop)
         if tc.fresh_wait_s > 0:
-            needed = math.ceil(self.config.buffer.recent_prob * tc.num_prompts)
+            needed = math.ceil(self.buffer.recent_prob * tc.num_prompts)
 
             def enough_fresh() -> bool:
                 return self.buffer.fresh_prompts(tc.group_size) >= needed
@@ -204,12 +224,14 @@ def _arrivals(samples: list[Sample]) -> dict[str, float]:
     return {"samples_in": len(samples), "reward_in": sum(s.reward for s in samples) / len(samples)}
 
 
+FEEDS: dict[str, type[Feed]] = {"sync": SyncFeed, "async": AsyncFeed}  # by `train.mode`
+
+
 def make_feed(
     config: RunConfig,
-    searchers,
+    searchers: Searchers,
     trainer: Trainer,
     buffer: ReplayBuffer,
     log_event: Callable[..., None] = lambda kind, **fields: None,
 ) -> Feed:
-    feed = SyncFeed if config.train.mode == "sync" else AsyncFeed
-    return feed(config, searchers, trainer, buffer, log_event)
+    return FEEDS[config.train.mode](config, searchers, trainer, buffer, log_event)

@@ -25,6 +25,12 @@ def ray_session(config: RunConfig) -> Iterator[None]:
         os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
+    if config.ray.address is None:
+        # Ray reads that variable once, when it is first imported: a script that imported Ray
+        # before calling us would otherwise get servers on its external interface.
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
     searchers = config.searchers
     options: dict = {
         "include_dashboard": False,

@@ -34,6 +34,9 @@ from tba.tasks import RewardFn
 
 
 class SearcherWorker:
+    """A `Searcher` in its own process, generating in a background thread (`start`) or one batch
+    at a time (`generate_batch`), with the weights the trainer offers."""
+
     def __init__(
         self,
         policy_dir: str,

@@ -1,29 +1,21 @@
-"""The trainer's view of its searchers: publish weights, get samples.
+"""The trainer's view of its searchers: publish weights, get samples (`Searchers`, and
+`AsyncSearchers` for the asynchronous mode).
 
 `LocalSearchers` runs one searcher inside the trainer process (synchronous mode, no Ray).
-`RaySearchers` runs `searchers.count` searcher actors. Both offer:
-
-    publish(weights, version)  make these the weights of the next generations
-    generate(num_prompts)      sync: generate now with the published weights, and wait
-    start()                    async: every searcher generates until closed
-    collect(trainer_version)   async: the samples made since the last call, without waiting
-    close()
-
-Weights are put into the object store once per publish and every searcher fetches that one copy.
-A searcher process that dies is replaced by a new one with the latest weights (up to
-`searchers.max_restarts` times each); one that does not answer within `ray.sync_timeout_s` fails
-the run with a clear error instead of hanging it.
+`RaySearchers` runs `searchers.count` searcher actors. Weights are put into the object store once
+per publish and every searcher fetches that one copy. A searcher process that dies is replaced by
+a new one with the latest weights (up to `searchers.max_restarts` times each); one that does not
+answer within `ray.sync_timeout_s` fails the run with a clear error instead of hanging it.
 
 A replacement continues its predecessor's prompt stream from the last batch handed over, so the
-prompts in flight at a kill are generated again, not skipped. `state()` is what a checkpoint keeps
-of the searchers (their incarnations and stream positions); `restore` on a new instance continues
-from it. `take_reward_faults()` returns the reward-function faults reported since its last call.
+prompts in flight at a kill are generated again, not skipped.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -63,11 +55,55 @@ def searcher_seed(seed: int, searcher_id: int, incarnation: int) -> int:
     return int(np.random.SeedSequence([seed, searcher_id, incarnation]).generate_state(1)[0])
 
 
-class LocalSearchers:
-    """One searcher in the trainer process: the synchronous mode without Ray."""
+class Searchers(ABC):
+    """What the trainer asks of its searchers, wherever they run."""
 
-    restarts = 0
-    discarded_in_flight = 0
+    restarts: int = 0  # searcher processes replaced after they died
+    discarded_in_flight: int = 0  # samples made but never handed over: work lost, not data
+
+    @abstractmethod
+    def publish(self, weights: dict[str, np.ndarray], version: int) -> None:
+        """Make these the weights of the next generations."""
+
+    @abstractmethod
+    def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
+        """Generate for `num_prompts` prompts now with the published weights, and wait."""
+
+    @abstractmethod
+    def take_reward_faults(self) -> list[tuple[str, str, int]]:
+        """(function, reason, completions dropped) of the reward faults since the last call."""
+
+    @abstractmethod
+    def total_generated(self) -> int | None:
+        """Samples made over the whole run (None when unknown)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the searchers: where each is in its prompt stream."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict()` (before the first generation)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop every searcher."""
+
+
+class AsyncSearchers(Searchers):
+    """Searchers that can also generate without pause, for the asynchronous mode."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Every searcher generates until closed, adopting weights as they are published."""
+
+    @abstractmethod
+    def collect(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
+        """The samples made since the last call, without waiting on generation in flight."""
+
+
+class LocalSearchers(Searchers):
+    """One searcher in the trainer process: the synchronous mode without Ray."""
 
     def __init__(self, searcher: Searcher) -> None:
         self.searcher = searcher
@@ -84,7 +120,7 @@ class LocalSearchers:
     def total_generated(self) -> int:
         return self.searcher.num_generated
 
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Stream position and sampling RNG: with them a resumed run draws the same samples."""
         searcher = self.searcher
         return {
@@ -93,7 +129,7 @@ class LocalSearchers:
             "generator": searcher.generator.get_state().tolist(),
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         searcher = self.searcher
         searcher.stream = PromptStream(searcher.stream.num_rows, searcher.stream.seed,
                                        state["stream_taken"])  # fmt: skip
@@ -108,7 +144,7 @@ class LocalSearchers:
 class _Slot:
     """One searcher position; its actor is replaced when the process dies."""
 
-    handle: Any
+    handle: Any = None  # the actor, once launched
     incarnation: int = 0
     ready: bool = False  # answered at least once (its process is up)
     pending: tuple[Any, float] | None = None  # (ObjectRef of a collect call, time issued)
@@ -119,7 +155,10 @@ class _Slot:
     restarts: int = 0  # deaths replaced so far (a resume starts a new incarnation, not a restart)
 
 
-class RaySearchers:
+class RaySearchers(AsyncSearchers):
+    """`searchers.count` searcher actors; `launch` starts their processes (after
+    `load_state_dict` when the run continues from a checkpoint)."""
+
     def __init__(
         self,
         config: RunConfig,
@@ -127,7 +166,6 @@ class RaySearchers:
         task: Task,
         log_event: EventLog,
         ledger_dir: Path | None = None,
-        restored: dict[str, Any] | None = None,
     ) -> None:
         import ray
 
@@ -144,38 +182,38 @@ class RaySearchers:
         self._rows = ray.put(task.train_rows)  # one copy, shared by every searcher
         self._weights: tuple[int, Any] | None = None  # (version, ObjectRef)
         self._running = False
-        self.restarts = 0
-        self.discarded_in_flight = 0
         self._reward_faults: list[tuple[str, str, int]] = []
         self.ledger_dir = ledger_dir
         if ledger_dir is not None:
             ledger_dir.mkdir(parents=True, exist_ok=True)
-        if restored:  # counted before any new searcher writes its ledger
-            self.discarded_in_flight = restored["discarded_in_flight"] + self._rolled_back(restored)
-            self.restarts = restored["restarts"]
-        self.slots = [self._new_slot(i, restored) for i in range(sc.count)]
+        self.slots = [_Slot() for _ in range(sc.count)]
 
-    def _rolled_back(self, restored: dict[str, Any]) -> int:
+    def launch(self) -> None:
+        """Start every searcher's process."""
+        for i, slot in enumerate(self.slots):
+            slot.handle = self._spawn(i, slot.incarnation, slot.stream_taken)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a checkpoint's streams, each searcher as a new incarnation (the processes of
+        the run that wrote it are gone)."""
+        # Counted before any new searcher writes its ledger.
+        self.discarded_in_flight = state["discarded_in_flight"] + self._rolled_back(state)
+        self.restarts = state["restarts"]
+        for i, (slot, saved) in enumerate(zip(self.slots, state["slots"])):
+            slot.incarnation = max(saved["incarnation"], self._last_ledger_incarnation(i)) + 1
+            slot.stream_taken, slot.restarts = saved["stream_taken"], saved["restarts"]
+
+    def _rolled_back(self, state: dict[str, Any]) -> int:
         """Samples the killed run's searchers made after the checkpoint (handed over to a trainer
         that died before its next checkpoint, or never handed over): work lost, not data."""
         total = 0
-        for i, saved in enumerate(restored["slots"]):
+        for i, saved in enumerate(state["slots"]):
             incarnations = range(saved["incarnation"], self._last_ledger_incarnation(i) + 1)
             made = sum(self.generated_by(i, inc) or 0 for inc in incarnations)
             total += max(0, made - saved["handed"])
         return total
 
-    def _new_slot(self, i: int, restored: dict[str, Any] | None) -> _Slot:
-        """Searcher i, fresh or continuing a checkpoint's stream with a new incarnation (the
-        processes of the run that wrote the checkpoint are gone)."""
-        saved = restored["slots"][i] if restored and i < len(restored["slots"]) else None
-        if saved is None:
-            return _Slot(self._spawn(i, 0, 0))
-        incarnation = max(saved["incarnation"], self._last_ledger_incarnation(i)) + 1
-        return _Slot(self._spawn(i, incarnation, saved["stream_taken"]), incarnation=incarnation,
-                     stream_taken=saved["stream_taken"], restarts=saved["restarts"])  # fmt: skip
-
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "slots": [
                 {"incarnation": s.incarnation, "stream_taken": s.stream_taken, "handed": s.handed,
@@ -425,10 +463,11 @@ def open_searchers(
     task: Task,
     log_event: EventLog,
     run_dir: Path,
-    restored: dict[str, Any] | None = None,
-) -> Iterator[LocalSearchers | RaySearchers]:
-    """The run's searchers (continuing a checkpoint's `restored` state); with Ray, the Ray
-    instance lives exactly as long as they do."""
+    state: dict[str, Any] | None = None,
+) -> Iterator[Searchers]:
+    """The run's searchers, continuing a checkpoint's `state` (they take it before their first
+    generation, so their processes start from it); with Ray, the Ray instance lives exactly as
+    long as they do."""
     if config.searchers.count == 0:
         device = resolve_device(config.searchers.device)
         searcher = Searcher(
@@ -437,8 +476,8 @@ def open_searchers(
             search_settings(config), seed=config.seed,
         )  # fmt: skip
         local = LocalSearchers(searcher)
-        if restored:
-            local.restore(restored)
+        if state:
+            local.load_state_dict(state)
         yield local
         return
     from tba.runtime.ray_cluster import ray_session
@@ -446,7 +485,10 @@ def open_searchers(
     # Searcher ledgers live in the run directory, which only processes on this machine can see.
     ledger_dir = run_dir / "searchers" if config.ray.address is None else None
     with ray_session(config):
-        searchers = RaySearchers(config, policy_dir, task, log_event, ledger_dir, restored)
+        searchers = RaySearchers(config, policy_dir, task, log_event, ledger_dir)
+        if state:
+            searchers.load_state_dict(state)
+        searchers.launch()
         try:
             yield searchers
         finally:

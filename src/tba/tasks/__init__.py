@@ -1,8 +1,9 @@
 """Tasks: a dataset of prompts (rows with a `prompt` column and any others), reward functions
 `fn(prompts, completions, **columns) -> list[float]`, and a correctness check for evaluation.
 
-`math` (`tba.tasks.math`) and `redteam` (`tba.tasks.redteam`, its world in
-`tba.tasks.redteam_world`) are embedded synthetic tasks; `gsm8k`, `competition_math` and `tldr`
+`math` (`tba.tasks.math`), `redteam` (`tba.tasks.redteam`, its world in
+`tba.tasks.redteam_world`) and `summarize` (`tba.tasks.summarize`, its world in
+`tba.tasks.summarize_world`) are embedded synthetic tasks; `gsm8k`, `competition_math` and `tldr`
 read real data (`tba.tasks.build`); `custom` (`tba.tasks.custom`) is your data and reward
 functions."""
 
@@ -44,9 +45,10 @@ def load_task(
     cache_dir: str = "~/.cache/tba",
     log=print,
 ) -> Task:
-    """The task `config.name`: an embedded task (math; redteam, whose world is built once into
-    `cache_dir`), or a dataset task on its configured data (`tba.tasks.build`). `policy_model`
-    lends its tokenizer to a reward model saved without one."""
+    """The task `config.name`: an embedded task (math; redteam and summarize, whose worlds are
+    built once into `cache_dir`), or a dataset task on its configured data (`tba.tasks.build`).
+    `policy_model` lends its tokenizer to a reward model saved without one, and is the reference
+    policy of the preference tasks' KL metrics."""
     if config.name == "math":
         return build_task(
             "math", num_train=config.num_train, num_eval=config.num_eval, seed=seed
@@ -55,13 +57,23 @@ def load_task(
         from tba.tasks import redteam
 
         return redteam.build_task(config, cache_dir, seed, log)
+    if config.name == "summarize":
+        from tba.tasks import summarize
+
+        return summarize.build_task(config, policy_model, cache_dir, log)
     if config.name == "custom":
         from tba.tasks import custom
 
         return custom.build_task(config)
     from tba.tasks.build import dataset_task
 
-    return dataset_task(config, policy_model=policy_model)
+    task = dataset_task(config, policy_model=policy_model)
+    if config.name == "tldr":
+        from tba.tasks.tldr import with_preference_metrics
+
+        builtin = policy_model is None or policy_model.startswith("builtin:")
+        return with_preference_metrics(task, None if builtin else policy_model)
+    return task
 
 
 def build_task(name: str, *, num_train: int, num_eval: int, seed: int) -> Task:

@@ -15,13 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tba.config import ConfigError
+from tba.errors import DatasetError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class DatasetError(ConfigError):
-    """A dataset that cannot be read, or a row without a field the task needs (one line)."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """Preference tuning on TL;DR summaries: the reward is a reward model's score of prompt + summary.
 
 A summary cut off at the length limit (no EOS) gets `train.truncation_penalty` (−1 by default)
-instead of a score, through the searcher's `train.truncated` rule. Held-out "pass@1" is the win
-rate of the policy's summary against the row's reference summary under the evaluation reward
-model (the "gold" one, `task.eval_reward_model`, else the training reward model).
+instead of a score, through the searcher's `train.truncated` rule. Held-out metrics
+(`tba.tasks.preference`, through `with_preference_metrics`): the win rate of the policy's greedy
+summary against the row's reference summary under the evaluation reward model (the "gold" one,
+`task.eval_reward_model`, else the training reward model), the gold and the training reward
+models' mean scores, and the KL to the reference policy (the run's starting `policy.model`) and
+its perplexity on the policy's sampled summaries.
 
 Reward models are Hugging Face sequence-classification models with one output. A response is
 scored as `prompt + response + EOS`, read at that final EOS token, where reward models of this
@@ -15,7 +18,10 @@ task.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tba.tasks import Task
 
 PROMPT_TEMPLATE = "{query}"
 ANSWER_FIELD = "reference_response"
@@ -152,3 +158,18 @@ class WinRate:
             self._reference_scores |= dict(zip(missing, scores))
         ours = self.judge.score_pairs(prompts, completions)
         return [float(o > self._reference_scores[pair]) for o, pair in zip(ours, pairs)]
+
+
+def with_preference_metrics(task: Task, reference_policy: str | None) -> Task:
+    """The TL;DR task of `tba.tasks.build` evaluated by win rate, scores, KL and perplexity
+    (`tba.tasks.preference`) instead of pass@1. `reference_policy`: a directory or Hub id (the
+    run's starting policy); None leaves the KL and the perplexity out."""
+    from tba.tasks.preference import PreferenceEvaluator
+
+    (reward,), win_rate = task.reward_fns, task.correct_fn
+    assert isinstance(win_rate, WinRate)  # as `tba.tasks.build` makes the tldr task
+    task.evaluate = PreferenceEvaluator(
+        task.eval_rows, win_rate.judge.score_pairs, reward.score_pairs, reference_policy
+    )
+    task.metrics = ("eval_win_rate", "eval_kl") if reference_policy else ("eval_win_rate",)
+    return task

@@ -1,39 +1,27 @@
 """`tba train`: wire task, searchers, buffer and trainer, and record everything in a run directory.
 
-Data flows one way: prompts -> searchers -> buffer -> trainer -> weights -> searchers.
-
-- **async** (TBA): the searchers generate without pause, each with the latest weights it has
-  adopted. The trainer starts once the buffer holds `train.initial_buffer_samples`; then every
-  step it merges what the searchers made since the step before, samples a batch (fresh samples
-  first, replay when none are left) and steps; every `train.sync_every` steps it publishes its
-  weights. It never waits on a generation in flight.
-- **sync** (on-policy baseline, same components): every step the searchers generate B prompts with
-  the weights published last, the trainer waits for them and trains on a batch sampled from the
-  buffer (with the default `recent_prob=1` and `sync_every=1`: exactly the samples just made).
-
-How the data reaches the buffer is `tba.runtime.feed` (`SyncFeed`, `AsyncFeed`); each step records
-how stale the batch was (weight versions, and optimizer steps since its weights were published),
-how many of its groups were fresh, reused or identical to one of the step before.
+Data flows one way: prompts -> searchers -> buffer -> trainer -> weights -> searchers. Every step
+of the `TrainLoop` brings new samples in (`tba.runtime.feed`, the one place the synchronous and
+asynchronous modes differ, and where both are described), samples a batch from the buffer, sets
+beta by its schedule, takes one optimizer step and records it: the step's metrics, how stale the
+batch was and what it was made of (`tba.tally`).
 
 The trainer runs in this process; the searchers run as Ray actors (`searchers.count >= 1`) or, in
 the synchronous mode with `searchers.count=0`, inside this process without Ray. The loop writes
-checkpoints (`tba.checkpoint`) as it goes and at exit; `train(..., resume=True)` continues the run
-in `output_dir` from its newest one.
+checkpoints (`tba.checkpoint`) of its `state_dict()`, every component's state in one dict, as it
+goes and at exit; `train(..., resume=True)` continues the run in `output_dir` from its newest one.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import random
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,20 +31,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from tba import evaluation
 from tba.base_policy import resolve_policy
 from tba.buffer import ReplayBuffer
-from tba.checkpoint import (
-    Checkpoint,
-    check_compatible,
-    latest_checkpoint,
-    restore_rng_states,
-    rng_states,
-    save_checkpoint,
-)
+from tba.checkpoint import Checkpoint, check_compatible, latest_checkpoint, save_checkpoint
 from tba.config import ConfigError, RunConfig, dump_config
 from tba.errors import CheckpointError, TrainingError
 from tba.evaluation import EvalSettings
 from tba.objectives import BetaSchedule
 from tba.policy.model import load_policy, resolve_device, save_policy, snapshot_weights
 from tba.policy.tokenizer import load_tokenizer
+from tba.rng import RandomState
 from tba.rundir import (
     EventLog,
     MetricsLog,
@@ -64,20 +46,15 @@ from tba.rundir import (
     create_run_dir,
     plot_curves,
     read_metrics,
-    require_tensorboard,
     save_snapshot,
     truncate_metrics,
 )
-from tba.runtime.feed import make_feed
-from tba.runtime.searchers import open_searchers
+from tba.runtime.feed import FEEDS, make_feed
+from tba.runtime.searchers import Searchers, open_searchers
+from tba.tally import Tally
 from tba.tasks import Task, load_task
+from tba.tracking import Trackers, open_trackers, require_trackers
 from tba.trainer import Trainer
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -> dict[str, float]:
@@ -85,15 +62,8 @@ def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -
 
 
 def trainer_threads(config: RunConfig) -> int | None:
-    """Torch threads of the trainer: as configured; else, in the asynchronous mode on this
-    machine, the cores the searchers do not reserve (else the trainer starves them and keeps
-    stepping on ever staler samples)."""
-    sc = config.searchers
-    if config.policy.num_threads:
-        return config.policy.num_threads
-    if config.train.mode == "async" and config.ray.address is None:
-        return max(1, (os.cpu_count() or 1) - math.ceil(sc.count * sc.num_cpus))
-    return None
+    """Torch threads of the trainer: as configured, else what its mode's feed leaves it."""
+    return config.policy.num_threads or FEEDS[config.train.mode].trainer_threads(config)
 
 
 def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Trainer:
@@ -153,8 +123,7 @@ def train(
                          cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
     if task.conversational and not config.policy.chat_template:
         raise ConfigError("the prompts are conversational: set policy.chat_template=true")
-    if "tensorboard" in config.report_to:
-        require_tensorboard()
+    require_trackers(config.report_to)
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     checkpoint = None
     if resume:
@@ -165,18 +134,17 @@ def train(
     else:
         run_dir = create_run_dir(config.output_dir, overwrite)
     (run_dir / "config.yaml").write_text(dump_config(config))
-    seed_everything(config.seed)
+    random_state = RandomState(config.seed)
     tokenizer = load_tokenizer(str(policy_dir), chat_template=config.policy.chat_template)
     trainer = build_trainer(config, policy_dir, tokenizer, resolve_device(config.policy.device))
-    if checkpoint is not None:
-        restore_trainer(trainer, checkpoint)
+    trackers = open_trackers(config, run_dir)
     events = EventLog(run_dir / "events.jsonl", console.log)
     console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
-    restored = checkpoint.state["searchers"] if checkpoint else None
+    saved_searchers = checkpoint.state["searchers"] if checkpoint else None
     try:
         # Searcher processes start while the base policy is evaluated here.
         with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
-                            restored) as searchers:  # fmt: skip
+                            saved_searchers) as searchers:  # fmt: skip
             if checkpoint is None:
                 base = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
             else:
@@ -185,67 +153,53 @@ def train(
                        discarded_in_flight=searchers.discarded_in_flight)  # fmt: skip
             console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
             with stop_on_interrupt() as stop:
-                loop = TrainLoop(config, trainer, searchers, tokenizer, task, run_dir, events,
-                                 base, checkpoint)  # fmt: skip
+                loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
+                                 run_dir, events, trackers, base, checkpoint)  # fmt: skip
                 loop.run(console, stop)
         final = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+        summary = {"base": base, "final": final, **loop.summary()}
+        with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
+            metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60,
+                           **final})  # fmt: skip
     finally:
         events.close()
-    summary = {"base": base, "final": final, **loop.summary(searchers)}
-    with MetricsLog(run_dir / "metrics.jsonl", tensorboard_dir(config, run_dir)) as metrics:
-        metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60, **final})
+        trackers.close()
     save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
     console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     return run_dir
 
 
-def tensorboard_dir(config: RunConfig, run_dir: Path) -> Path | None:
-    return run_dir / "tensorboard" if "tensorboard" in config.report_to else None
-
-
-def restore_trainer(trainer: Trainer, checkpoint: Checkpoint) -> None:
-    try:
-        trainer.load_state_dict(
-            checkpoint.model, checkpoint.optimizer, checkpoint.state["trainer"]
-        )
-    except (RuntimeError, KeyError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise CheckpointError(
-            f"checkpoint {checkpoint.path} does not fit this policy: {first}"
-        ) from None
-
-
 class TrainLoop:
     """Steps until `max_steps`, `max_minutes` or Ctrl-C, checkpointing on the way.
 
-    Everything it carries from step to step is in `state()`, so that a run resumed from a
-    checkpoint continues with the same buffer, sampler, counters and clock."""
+    Everything the run carries from step to step is in `state_dict()`, so that a run resumed from
+    a checkpoint continues with the same weights, buffer, sampler, counters and clock."""
 
     def __init__(
         self,
         config: RunConfig,
         trainer: Trainer,
-        searchers,
+        searchers: Searchers,
+        random_state: RandomState,
         tokenizer,
         task: Task,
         run_dir: Path,
         events: EventLog,
+        trackers: Trackers | None,
         base: dict[str, float],
-        checkpoint: Checkpoint | None,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         self.config, self.trainer, self.searchers = config, trainer, searchers
+        self.random = random_state
         self.tokenizer, self.task, self.run_dir, self.events = tokenizer, task, run_dir, events
-        self.base = base
+        self.trackers, self.base = trackers, base
         tc = config.train
         self.buffer = ReplayBuffer.from_config(config.buffer)
-        if checkpoint is not None:
-            self.buffer.load_state_dict(checkpoint.buffer_state)
         self.feed = make_feed(config, searchers, trainer, self.buffer, events)
         self.sample_log = None
         if task.export_samples:
             self.sample_log = SampleLog(run_dir / task.export_samples, tokenizer, task.annotate)
             self.feed.on_merge = lambda samples: self.sample_log.write(samples, trainer.step_count)
-        self.rng = np.random.default_rng(config.seed)
         self.beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
         self.max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
         minutes = config.eval.snapshot_minutes
@@ -254,10 +208,7 @@ class TrainLoop:
         minutes = config.checkpoint.every_minutes
         self.checkpoint_every = minutes * 60 if minutes else None
         self.next_checkpoint = self.checkpoint_every
-        self.staleness: Counter[int] = Counter()  # weight versions behind, per trained sample
-        self.staleness_steps: Counter[int] = Counter()  # optimizer steps behind, per sample
-        self.groups: Counter[str] = Counter()  # fresh, reused, repeated; identical batches
-        self.waiting: Counter[str] = Counter()  # after warm-up: waited, synced, evaluated, total
+        self.tally = Tally()
         self.last_eval = base
         self.elapsed = 0.0  # training seconds of the earlier processes of this run
         self.warmup_seconds = 0.0
@@ -266,7 +217,13 @@ class TrainLoop:
         self.train_seconds = 0.0
         self.stopped_by_user = False
         if checkpoint is not None:
-            self._restore(checkpoint.state)
+            try:
+                self.load_state_dict(checkpoint.state)
+            except (RuntimeError, KeyError, ValueError) as error:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+                raise CheckpointError(
+                    f"checkpoint {checkpoint.path} does not fit this run: {first}"
+                ) from None
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -278,8 +235,7 @@ class TrainLoop:
             transient=False,
         )  # fmt: skip
         first_step = self.trainer.step_count + 1
-        board = tensorboard_dir(self.config, self.run_dir)
-        with MetricsLog(self.run_dir / "metrics.jsonl", board) as metrics, progress:
+        with MetricsLog(self.run_dir / "metrics.jsonl", self.trackers) as metrics, progress:
             if first_step == 1:
                 metrics.write({"step": 0, "time": 0.0, **self.base})
             bar = progress.add_task("train", total=tc.max_steps, completed=first_step - 1,
@@ -317,47 +273,33 @@ class TrainLoop:
             self.events("interrupted", step=self.trainer.step_count)
 
     def _step(self, step: int, stop: threading.Event) -> dict | None:
-        """Bring data in, sample a batch, take one optimizer step; the step's metrics."""
+        """Bring data in, sample a batch, set beta, take one optimizer step; the step's metrics."""
         tc, trainer = self.config.train, self.trainer
         step_start = time.time()
         elapsed = step_start - self.start
         record: dict = {"step": step, **self.feed.before_step(step, stop)}
         if len(self.buffer) == 0:
             return None
-        batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.rng)
-        samples = [s for g in batch.groups for s in g]
-        lags = [trainer.version - s.version for s in samples]
-        lags_steps = [trainer.steps_behind(s.version) for s in samples]
-        self.staleness.update(lags)
-        self.staleness_steps.update(lags_steps)
-        self.groups.update(trained=len(batch.groups), fresh=batch.fresh, reused=batch.reused,
-                           repeated=batch.repeated,
-                           identical_batches=batch.repeated == len(batch.groups))  # fmt: skip
+        batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.random.sampler)
+        made_of = self.tally.batch(batch, trainer)  # before the step moves the trainer's clock
         beta = self.beta_at(max((step - 1) / tc.max_steps, elapsed / self.max_seconds))
         record |= {
             "beta": beta,
-            "reward_mean": float(np.mean([s.reward for s in samples])),
+            "reward_mean": float(np.mean([s.reward for group in batch.groups for s in group])),
             **trainer.step(batch.groups, beta),
             "buffer_size": len(self.buffer),
-            "staleness_mean": float(np.mean(lags)),
-            "staleness_max": max(lags),
-            "staleness_steps_mean": float(np.mean(lags_steps)),
-            "staleness_steps_max": max(lags_steps),
-            "fresh_groups": batch.fresh,
-            "reused_groups": batch.reused,
-            "repeated_groups": batch.repeated,
+            **made_of,
         }
-        self.waiting["wait"] += record["wait_seconds"]
-        self.waiting["sync"] += record["sync_seconds"]
+        eval_seconds = 0.0
         if step % self.config.eval.every == 0:
             eval_start = time.time()
             self.last_eval = evaluate(trainer.model, self.tokenizer, self.task, self.config,
                                       pass_k=False)  # fmt: skip
             record |= self.last_eval
-            self.waiting["eval"] += time.time() - eval_start
+            eval_seconds = time.time() - eval_start
         now = time.time()
-        self.waiting["total"] += now - step_start
-        wait_frac = (self.waiting["wait"] + self.waiting["sync"]) / self.waiting["total"]
+        wait_frac = self.tally.time(wait=record["wait_seconds"], sync=record["sync_seconds"],
+                                    eval=eval_seconds, total=now - step_start)  # fmt: skip
         return record | {
             "time": now - self.start, "step_seconds": now - step_start,
             "trainer_wait_frac": wait_frac,
@@ -394,21 +336,9 @@ class TrainLoop:
     def save_checkpoint(self, step: int) -> Path | None:
         """A checkpoint of this moment; a failed write (a full disk) is logged and counted, and
         the run goes on with its earlier checkpoints intact."""
-        model, optimizer, trainer_state = self.trainer.state_dict()
-        state = {
-            "config": self.config.model_dump(),
-            "base": self.base,
-            "trainer": trainer_state,
-            "searchers": self.searchers.state(),
-            "feed": self.feed.state_dict(),
-            "rng": rng_states(self.rng),
-            "loop": self.state(),
-        }
         try:
-            path = save_checkpoint(
-                self.run_dir, step, model=model, optimizer=optimizer, buffer=self.buffer,
-                state=state, keep=self.config.checkpoint.keep,
-            )  # fmt: skip
+            path = save_checkpoint(self.run_dir, step, self.state_dict(),
+                                   keep=self.config.checkpoint.keep)  # fmt: skip
         except OSError as error:
             self.checkpoint_failures += 1
             self.events("checkpoint_failed", step=step, error=str(error))
@@ -416,43 +346,49 @@ class TrainLoop:
         self.events("checkpoint", step=step, path=str(path))
         return path
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
+        """The run at this step: every component's `state_dict()` under its name, the loop's own
+        clock and counters, and the config and base metrics it started from."""
         return {
-            "elapsed": time.time() - self.start,
-            "warmup_seconds": self.warmup_seconds,
-            "staleness": {str(lag): n for lag, n in self.staleness.items()},
-            "staleness_steps": {str(lag): n for lag, n in self.staleness_steps.items()},
-            "groups": dict(self.groups),
-            "waiting": dict(self.waiting),
-            "last_eval": self.last_eval,
-            "next_snapshot": self.next_snapshot,
-            "next_checkpoint": self.next_checkpoint,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
-            "checkpoint_failures": self.checkpoint_failures,
+            "config": self.config.model_dump(),
+            "base": self.base,
+            "trainer": self.trainer.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "searchers": self.searchers.state_dict(),
+            "feed": self.feed.state_dict(),
+            "rng": self.random.state_dict(),
+            "tally": self.tally.state_dict(),
+            "loop": {
+                "elapsed": time.time() - self.start,
+                "warmup_seconds": self.warmup_seconds,
+                "last_eval": self.last_eval,
+                "next_snapshot": self.next_snapshot,
+                "next_checkpoint": self.next_checkpoint,
+                "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                "checkpoint_failures": self.checkpoint_failures,
+            },
         }
 
-    def _restore(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()`. The searchers took theirs as they started
+        (`open_searchers`); `train` reads the config and base metrics before the loop exists."""
+        self.trainer.load_state_dict(state["trainer"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.feed.load_state_dict(state["feed"])
+        self.random.load_state_dict(state["rng"])
+        self.tally.load_state_dict(state["tally"])
         loop = state["loop"]
         self.elapsed, self.warmup_seconds = loop["elapsed"], loop["warmup_seconds"]
-        self.staleness = Counter({int(lag): n for lag, n in loop["staleness"].items()})
-        self.staleness_steps = Counter(
-            {int(lag): n for lag, n in loop["staleness_steps"].items()}
-        )
-        self.groups = Counter(loop["groups"])
-        self.waiting = Counter(loop["waiting"])
         self.last_eval, self.next_snapshot = loop["last_eval"], loop["next_snapshot"]
         self.next_checkpoint = loop["next_checkpoint"]
         self.nonfinite_in_a_row = loop["nonfinite_in_a_row"]
         self.checkpoint_failures = loop["checkpoint_failures"]
-        self.feed.load_state_dict(state["feed"])
-        restore_rng_states(self.rng, state["rng"])
 
     # -------------------------------------------------------------------------------- summary
 
-    def summary(self, searchers) -> dict:
+    def summary(self) -> dict[str, Any]:
         """What eval.json reports about the run (the searchers closed: their leftovers counted)."""
-        total = max(self.waiting["total"], 1e-9)
-        counts = self.feed.counts
+        counts, searchers = self.feed.counts, self.searchers
         generated = searchers.total_generated()
         return {
             "mode": self.config.train.mode,
@@ -460,22 +396,7 @@ class TrainLoop:
             "train_minutes": self.train_seconds / 60,
             "interrupted": self.stopped_by_user,
             "warmup_seconds": self.warmup_seconds,
-            # Of the trainer's time after warm-up (evaluation included): waiting and syncing.
-            "trainer_wait_frac": (self.waiting["wait"] + self.waiting["sync"]) / total,
-            "trainer_sync_frac": self.waiting["sync"] / total,
-            "eval_frac": self.waiting["eval"] / total,
-            "staleness_histogram": {str(k): n for k, n in sorted(self.staleness.items())},
-            "staleness_steps_histogram": {
-                str(k): n for k, n in sorted(self.staleness_steps.items())
-            },
-            "staleness_steps_mean": _mean_of_histogram(self.staleness_steps),
-            # Groups of fresh samples, groups whose every sample was trained on before, groups
-            # identical to one of the step before, and whole batches trained twice in a row.
-            "groups_trained": self.groups["trained"],
-            "groups_fresh": self.groups["fresh"],
-            "groups_reused": self.groups["reused"],
-            "groups_repeated": self.groups["repeated"],
-            "identical_batches": self.groups["identical_batches"],
+            **self.tally.summary(),
             "samples_generated": generated if generated is not None else counts["merged"],
             "samples_merged": counts["merged"],
             "samples_per_s": counts["merged"] / max(self.train_seconds, 1e-9),
@@ -490,11 +411,6 @@ class TrainLoop:
             "checkpoint_failures": self.checkpoint_failures,
             "searcher_restarts": searchers.restarts,
         }
-
-
-def _mean_of_histogram(histogram: Counter[int]) -> float:
-    total = sum(histogram.values())
-    return sum(k * n for k, n in histogram.items()) / total if total else 0.0
 
 
 def save_results(

@@ -1,0 +1,110 @@
+"""`tba eval`: score a run's policies on the held-out set after the run, with the task's own
+evaluator, as training evaluates them.
+
+- `score_final(run_dir)`: the trained policy in RUN_DIR/final/, evaluated as a run ends (the
+  task's metrics; for pass@1 tasks also sampled pass@k).
+- `score_snapshots(run_dir)`: the base policy at minute 0, then every snapshot the run saved
+  (`eval.snapshot_minutes`), each evaluated as a run does every `eval.every` steps: a learning
+  curve measured after the run, on a held-out set chosen then, at no cost to training time.
+
+Both read the run's config.yaml with `overrides` on top (`task.num_eval=1024`,
+`eval.batch_size=64`, `policy.device=cuda`, `seed=0` for the held-out set of seed 0, ...); the
+base policy stays the run's own whatever `seed` says. Each result is a point: `minutes` and
+`step` of training, the fresh `samples` consumed by then, `value` (the task's headline metric,
+e.g. greedy pass@1) and all its `metrics`. A run made in Python (`TBATrainer`) has its task only
+there: pass it as `task=trainer.task`.
+
+`tba eval` writes the results to RUN_DIR/eval_final.json and RUN_DIR/eval_snapshots.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from safetensors.numpy import load_file
+
+from tba.base_policy import resolve_policy
+from tba.config import RunConfig, load_config
+from tba.errors import ConfigError
+from tba.evaluation import EvalSettings, evaluate
+from tba.policy.model import load_policy, resolve_device, set_weights
+from tba.policy.tokenizer import load_tokenizer
+from tba.rundir import read_metrics, samples_consumed
+from tba.tasks import Task, load_task
+
+FINAL_SCORES = "eval_final.json"
+SNAPSHOT_SCORES = "eval_snapshots.json"
+
+
+def score_final(
+    run_dir: Path, overrides: Sequence[str] = (), *, task: Task | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:  # fmt: skip
+    """The held-out metrics of the run's final policy, at the step and minute the run ended."""
+    config = run_config(run_dir, overrides)
+    final = run_dir / "final"
+    if not (final / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir}: no final policy (final/ not found: the run has not "
+                                "ended); score its snapshots instead")  # fmt: skip
+    records = read_metrics(run_dir / "metrics.jsonl")
+    task = task or run_task(run_dir, config, log)
+    model, tokenizer = load_scored_policy(final, config)
+    metrics = evaluate(model, tokenizer, task, EvalSettings.from_config(config, full=True))
+    last = records[-1]
+    return point(last["time"] / 60, last["step"], samples_consumed(records)[-1], task, metrics)
+
+
+def score_snapshots(
+    run_dir: Path, overrides: Sequence[str] = (), *, task: Task | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:  # fmt: skip
+    """The held-out metrics of the base policy (minute 0), then of every snapshot of the run."""
+    config = run_config(run_dir, overrides)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    snapshots = [(record, samples) for record, samples in zip(records, samples_consumed(records))
+                 if "snapshot" in record and record["step"] > 0]  # fmt: skip
+    if not snapshots:
+        raise FileNotFoundError(f"{run_dir}: no snapshots (a run saves them every "
+                                "eval.snapshot_minutes=N minutes)")  # fmt: skip
+    task = task or run_task(run_dir, config, log)
+    seed = run_config(run_dir).seed  # the policy the run started from, whatever seed evaluates
+    base = resolve_policy(config.policy.model, config.pretrain, seed, log)
+    model, tokenizer = load_scored_policy(base, config)
+    settings = EvalSettings.from_config(config)
+    curve = [point(0.0, 0, 0, task, evaluate(model, tokenizer, task, settings))]
+    for record, samples in snapshots:
+        set_weights(model, load_file(run_dir / record["snapshot"]))
+        metrics = evaluate(model, tokenizer, task, settings)
+        curve.append(point(record["time"] / 60, record["step"], samples, task, metrics))
+    return curve
+
+
+def run_config(run_dir: Path, overrides: Sequence[str] = ()) -> RunConfig:
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir}: no run there (config.yaml not found)")
+    return load_config(run_dir / "config.yaml", list(overrides))
+
+
+def run_task(run_dir: Path, config: RunConfig, log: Callable[[str], None]) -> Task:
+    """The run's task, built from its config as `tba train` builds it."""
+    tc = config.task
+    if tc.name == "custom" and tc.train_path is None and tc.dataset is None:
+        raise ConfigError(
+            f"{run_dir}: its task was given in Python (TBATrainer); score it there, with "
+            "trainer.evaluate() or tba.scoring.score_snapshots(run_dir, task=trainer.task)"
+        )
+    return load_task(tc, seed=config.seed, policy_model=config.policy.model,
+                     cache_dir=config.pretrain.cache_dir, log=log)  # fmt: skip
+
+
+def load_scored_policy(path: Path, config: RunConfig):
+    """A policy saved with its tokenizer, on the device and in the dtype the run trained it."""
+    device = resolve_device(config.policy.device)
+    model = load_policy(str(path), device, dtype=config.policy.dtype)
+    return model, load_tokenizer(str(path), chat_template=config.policy.chat_template)
+
+
+def point(minutes: float, step: int, samples: int, task: Task, metrics: dict) -> dict:
+    return {"minutes": minutes, "step": step, "samples": samples,
+            "value": metrics[task.metrics[0]], "metrics": metrics}  # fmt: skip
