@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 from tba.config import PretrainConfig
@@ -36,32 +37,34 @@ def builtin_policy_dir(pretrain: PretrainConfig, seed: int) -> Path:
     return Path(pretrain.cache_dir).expanduser() / f"math-{key}"
 
 
+def built_once(target: Path, ready: str, what: str, build, log=print) -> Path:
+    """`target`, built by `build(staging_dir)` unless its file `ready` (written last) is there.
+    The build goes to a staging directory renamed into place: atomic, so a half-built model is
+    never mistaken for a cached one."""
+    if (target / ready).exists():
+        return target
+    log(f"building {what} (once) into {target}")
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    build(staging)
+    staging.rename(target)
+    return target
+
+
 def redteam_world_dir(pretrain: PretrainConfig, log=print) -> Path:
     """The embedded red-teaming world (attacker/, victim/, classifier/), built once: the world is
     the task, so it is the same for every run seed."""
     target = Path(pretrain.cache_dir).expanduser() / f"redteam-v{redteam_world.VERSION}"
-    if (target / "classifier" / "config.json").exists():
-        return target
-    log(f"building the red-teaming world (once) into {target}")
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    build_redteam_world(staging, seed=0, log=log)
-    staging.rename(target)
-    return target
+    build = partial(build_redteam_world, seed=0, log=log)
+    return built_once(target, "classifier/config.json", "the red-teaming world", build, log)
 
 
 def summarize_world_dir(pretrain: PretrainConfig, log=print) -> Path:
     """The embedded summarisation world (policy/, the SFT summariser, and proxy/, its reward
     model), built once: the world is the task, so it is the same for every run seed."""
     target = Path(pretrain.cache_dir).expanduser() / f"summarize-v{summarize_world.VERSION}"
-    if (target / "world.json").exists():  # written last
-        return target
-    log(f"building the summarisation world (once) into {target}")
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    build_summarize_world(staging, seed=0, log=log)
-    staging.rename(target)
-    return target
+    build = partial(build_summarize_world, seed=0, log=log)
+    return built_once(target, "world.json", "the summarisation world", build, log)
 
 
 def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -> Path:
@@ -77,24 +80,15 @@ def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -
         if _looks_like_a_path(model):
             raise FileNotFoundError(f"policy.model: no model directory at {path}")
         return hub_snapshot(model)
-    target = builtin_policy_dir(pretrain, seed)
-    if (target / "config.json").exists():
-        return target
-    log(f"building the built-in base policy (once) into {target}")
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    pretrain_math_policy(
-        staging,
-        num_examples=pretrain.num_examples,
-        steps=pretrain.steps,
-        batch_size=pretrain.batch_size,
-        lr=pretrain.learning_rate,
-        sloppy_fraction=pretrain.sloppy_fraction,
-        seed=seed,
-        log=log,
-    )
-    staging.rename(target)  # atomic: a half-built policy is never mistaken for a cached one
-    return target
+    return built_once(
+        builtin_policy_dir(pretrain, seed), "config.json", "the built-in base policy",
+        lambda staging: pretrain_math_policy(
+            staging, num_examples=pretrain.num_examples, steps=pretrain.steps,
+            batch_size=pretrain.batch_size, lr=pretrain.learning_rate,
+            sloppy_fraction=pretrain.sloppy_fraction, seed=seed, log=log,
+        ),
+        log,
+    )  # fmt: skip
 
 
 def _looks_like_a_path(model: str) -> bool:
