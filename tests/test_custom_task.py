@@ -1,6 +1,6 @@
 """Your own task: reward functions by `module:function` or as callables (async too), rows with a
-`prompt` column or a template, the TRL-shaped `TBATrainer`, TensorBoard logging, and the example
-script end to end on Ray."""
+`prompt` column, a template or a conversation, the TRL-shaped `TBATrainer`, TensorBoard logging,
+and the example script end to end on Ray."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 from tba import TBAConfig, TBATrainer
 from tba.cli import main
 from tba.config import ConfigError, load_config
+from tba.policy.tokenizer import build_char_tokenizer, encode_prompts
+from tba.rewards import as_reward_completions
 from tba.rundir import read_metrics
 from tba.tasks import load_task
 from tba.tasks.custom import (
@@ -35,6 +37,25 @@ def length_reward(prompts, completions, target, **kwargs):
 SYNC = ["train.mode=sync", "searchers.count=0", "train.num_prompts=2", "train.group_size=4",
         "train.max_steps=3", "policy.max_new_tokens=8", "policy.num_threads=1", "eval.every=2",
         "task.num_eval=4"]  # fmt: skip
+
+
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "3+3?"},
+]
+
+
+@pytest.fixture
+def chat_tokenizer():
+    """The character tokenizer with a chat template written in its own characters."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return tokenizer
 
 
 @pytest.fixture
@@ -72,20 +93,65 @@ def test_a_function_from_a_file_reaches_a_process_that_cannot_import_the_file(tm
     assert done.stdout.decode().strip() == "[-0.2]", done.stderr.decode()[-500:]
 
 
-def test_rows_take_a_prompt_column_a_template_or_one_user_message():
+def test_rows_take_a_prompt_column_a_template_or_a_conversation():
     rows, chat = prepare_rows([{"prompt": "hi", "x": 1}], None, "data")
     assert rows == [{"prompt": "hi", "x": 1}] and not chat
     rows, _ = prepare_rows([{"q": "2+2", "x": 1}], "Q: {q}", "data")
     assert rows[0]["prompt"] == "Q: 2+2" and rows[0]["q"] == "2+2"
-    rows, chat = prepare_rows([{"prompt": [{"role": "user", "content": "hi"}]}], None, "data")
-    assert rows[0]["prompt"] == "hi" and chat
-    two_turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    with pytest.raises(DatasetError, match="row 1: a conversational prompt must be one user"):
-        prepare_rows([{"prompt": two_turns}], None, "data")
+    rows, chat = prepare_rows([{"prompt": "a"}, {"prompt": CONVERSATION}], None, "data")
+    assert rows[1]["prompt"] == CONVERSATION and chat
+    with pytest.raises(DatasetError, match="row 1: a conversational prompt is a list of messages"):
+        prepare_rows([{"prompt": [{"role": "robot", "content": "hi"}]}], None, "data")
+    with pytest.raises(DatasetError, match="row 1: a conversational prompt ends with a user or"):
+        prepare_rows([{"prompt": [{"role": "system", "content": "be brief"}]}], None, "data")
     with pytest.raises(DatasetError, match="row 2 has no text `prompt` column"):
         prepare_rows([{"prompt": "a"}, {"question": "b"}], None, "data")
     with pytest.raises(DatasetError, match="data has no rows"):
         prepare_rows([], None, "data")
+
+
+def test_conversations_are_rendered_by_the_chat_template_and_prefills_continued(chat_tokenizer):
+    prefilled = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
+    ids = encode_prompts(chat_tokenizer, [CONVERSATION, prefilled, "plain"])
+    assert [chat_tokenizer.decode(i) for i in ids] == [
+        "system: be brief\nuser: 2+2?\nassistant: 4\nuser: 3+3?\nassistant:",
+        "user: 2+2?\nassistant: It is",
+        "<bos>plain",  # text prompts stay text unless policy.chat_template=true
+    ]
+    completions = as_reward_completions([CONVERSATION, prefilled, "plain"], ["6", " 4", "x"])
+    assert completions == [[{"role": "assistant", "content": "6"}],
+                           [{"role": "assistant", "content": "It is 4"}], "x"]  # fmt: skip
+
+
+def test_tba_trainer_trains_on_conversations_and_rewards_see_them_as_in_trl(
+    tmp_path, tiny_model, chat_tokenizer
+):
+    seen: list[tuple] = []
+
+    def brief(prompts, completions, **kwargs):
+        seen.extend(zip(prompts, completions, strict=True))
+        return [-len(c[0]["content"]) / 8 for c in completions]
+
+    prefilled = [*CONVERSATION, {"role": "assistant", "content": "It is"}]
+    rows = [{"prompt": CONVERSATION}, {"prompt": prefilled}] * 4
+    config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
+    trainer = TBATrainer(model=tiny_model, reward_funcs=brief, train_dataset=rows, args=config,
+                         processing_class=chat_tokenizer)  # fmt: skip
+    results = trainer.train()
+    assert "eval_reward" in results["final"]
+    prompts = {json.dumps(prompt) for prompt, _ in seen}
+    assert prompts == {json.dumps(CONVERSATION), json.dumps(prefilled)}
+    assert all(c[0]["role"] == "assistant" for _, c in seen)
+    assert all(c[0]["content"].startswith("It is") for p, c in seen if p == prefilled)
+
+
+def test_conversations_need_a_tokenizer_with_a_chat_template(tmp_path, tiny_model, tokenizer):
+    config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
+    trainer = TBATrainer(model=tiny_model, reward_funcs=lambda p, c, **k: [0.0] * len(c),
+                         train_dataset=[{"prompt": CONVERSATION}], args=config,
+                         processing_class=tokenizer)  # fmt: skip
+    with pytest.raises(ConfigError, match="has no chat template, which .* conversational"):
+        trainer.train()
 
 
 def test_rewards_are_summed_and_async_functions_are_awaited():

@@ -12,6 +12,7 @@ import pytest
 
 from tba.cli import main
 from tba.config import ConfigError, TaskConfig, load_config
+from tba.policy.tokenizer import build_char_tokenizer
 from tba.tasks import competition_math as cm
 from tba.tasks import gsm8k, load_task
 from tba.tasks.build import dataset_task
@@ -429,6 +430,24 @@ def test_tldr_reward_model_scores_and_pickles_without_its_weights(tmp_path, rewa
     wins = task.correct_fn(prompts, [" keys gone", " cat naps"], reference=references)
     ours, theirs = reward(prompts, [" keys gone", " cat naps"]), reward(prompts, references)
     assert wins == [float(a > b) for a, b in zip(ours, theirs)]
+
+
+def test_a_reward_model_scores_conversations_through_its_chat_template(reward_model_dir):
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    completion = [{"role": "assistant", "content": "hello"}]
+    plain = RewardModel(str(reward_model_dir), device="cpu")
+    with pytest.raises(ValueError, match="has no chat template to render conversational"):
+        plain([conversation], [completion])
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    tokenizer.save_pretrained(reward_model_dir)
+    reward = RewardModel(str(reward_model_dir), device="cpu")
+    rendered = "system: be brief\nuser: hi\nassistant: hello\n"
+    assert reward([conversation, "Q: hi\n"], [completion, "A"]) == pytest.approx(
+        reward.score([rendered, "Q: hi\nA<eos>"])
+    )
 
 
 # ---------------------------------------------------------------------------- example configs

@@ -47,9 +47,11 @@ class TBATrainer:
     - `reward_funcs`: one or a list of `fn(prompts, completions, **columns) -> list[float]`
       (plain or `async def`), or reward models by Hub id or directory; rewards are summed.
     - `train_dataset` / `eval_dataset`: a `datasets.Dataset` or a list of rows with a `prompt`
-      column (text, or one user message `[{"role": "user", "content": ...}]`); the other
-      columns reach the reward functions. Without `eval_dataset`, the first `task.num_eval`
-      training prompts are evaluated.
+      column, text or a conversation (`[{"role": "system" | "user" | "assistant", "content":
+      ...}]`, rendered by the tokenizer's chat template; reward functions then get completions
+      as `[{"role": "assistant", "content": ...}]`, as in TRL); the other columns reach the
+      reward functions. Without `eval_dataset`, the first `task.num_eval` training prompts are
+      evaluated.
     - `eval_func`: 1 for a correct completion, 0 otherwise: held-out pass@1 (default: the mean
       reward of greedy completions, `eval_reward`).
     - `peft_config`: a `peft.LoraConfig` (rank, alpha, dropout, target modules), or None.

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.policy.sampling import generate
 from tba.policy.tokenizer import encode_prompts
-from tba.rewards import call_reward
+from tba.rewards import as_reward_completions, call_reward
 from tba.tasks import RewardFn, Task
 
 
@@ -81,10 +81,10 @@ def _scores(
     results: list[float] = []
     for first in range(0, len(rows), batch_size):
         batch = rows[first : first + batch_size]
-        texts = [row["prompt"] for row in batch]
+        prompts = [row["prompt"] for row in batch]
         out = generate(
             model,
-            encode_prompts(tokenizer, texts, chat_template=chat_template),
+            encode_prompts(tokenizer, prompts, chat_template=chat_template),
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
             max_new_tokens=max_new_tokens,
@@ -94,7 +94,8 @@ def _scores(
         )
         completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
-        results += [float(s) for s in call_reward(score_fn, texts, completions, **columns)]
+        completions = as_reward_completions(prompts, completions)
+        results += [float(s) for s in call_reward(score_fn, prompts, completions, **columns)]
     return results
 
 

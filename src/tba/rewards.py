@@ -3,7 +3,9 @@
 A reward function is `fn(prompts, completions, **columns) -> list[float]`, one finite number per
 completion. A function that takes `log_extra` (by name or through `**kwargs`) gets TRL's
 callable `log_extra(column, values)`: one value per completion, kept with each sample as
-`extras[column]` (e.g. the red-teaming reward's `toxicity`).
+`extras[column]` (e.g. the red-teaming reward's `toxicity`). Where the prompt is a conversation,
+the completion comes as TRL gives it, `[{"role": "assistant", "content": text}]`
+(`as_reward_completions`).
 
 When a call raises, does not return within `timeout_s`, returns None, a list of the wrong length,
 or None/NaN/inf for some completions, the completions it failed on are dropped and counted (never
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tba.errors import RewardError
-from tba.tasks import RewardFn
+from tba.tasks import Prompt, RewardFn
 
 
 class _Timeout(Exception):
@@ -58,6 +60,20 @@ def call_reward(fn: RewardFn, *args: Any, **kwargs: Any) -> Any:
     return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
+def as_reward_completions(prompts: Sequence[Prompt], completions: list[str]) -> list:
+    """Completions as the reward functions get them: text after a text prompt; after a
+    conversation, the assistant's message, whose content starts with the prompt's own assistant
+    message when the completion continued it."""
+    shaped: list = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        if isinstance(prompt, str):
+            shaped.append(completion)
+            continue
+        prefill = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
+        shaped.append([{"role": "assistant", "content": prefill + completion}])
+    return shaped
+
+
 def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
@@ -89,10 +105,11 @@ class RewardScorer:
         self._failed_in_a_row: Counter[str] = Counter()
 
     def score(
-        self, prompts: list[str], completions: list[str], columns: dict[str, list]
+        self, prompts: list[Prompt], completions: list[str], columns: dict[str, list]
     ) -> tuple[list[float], dict[str, list[float]], list[tuple[str, str, int]], dict[str, list]]:
         """(totals, values per function, faults, extra columns). A fault is (function, reason,
         completions affected); a total is NaN where some function gave no usable value."""
+        completions = as_reward_completions(prompts, completions)
         parts: dict[str, list[float]] = {}
         faults: list[tuple[str, str, int]] = []
         extras: dict[str, list] = {}

@@ -32,7 +32,7 @@ from tba import evaluation
 from tba.base_policy import resolve_policy
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import Checkpoint, check_compatible, latest_checkpoint, save_checkpoint
-from tba.config import ConfigError, RunConfig, dump_config
+from tba.config import RunConfig, dump_config
 from tba.errors import CheckpointError, TrainingError
 from tba.evaluation import EvalSettings
 from tba.objectives import BetaSchedule
@@ -121,8 +121,6 @@ def train(
     if task is None:
         task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
                          cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
-    if task.conversational and not config.policy.chat_template:
-        raise ConfigError("the prompts are conversational: set policy.chat_template=true")
     require_trackers(config.report_to)
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     checkpoint = None
@@ -135,7 +133,9 @@ def train(
         run_dir = create_run_dir(config.output_dir, overwrite)
     (run_dir / "config.yaml").write_text(dump_config(config))
     random_state = RandomState(config.seed)
-    tokenizer = load_tokenizer(str(policy_dir), chat_template=config.policy.chat_template)
+    tokenizer = load_tokenizer(
+        str(policy_dir), chat_template=config.policy.chat_template or task.conversational
+    )
     trainer = build_trainer(config, policy_dir, tokenizer, resolve_device(config.policy.device))
     trackers = open_trackers(config, run_dir)
     events = EventLog(run_dir / "events.jsonl", console.log)

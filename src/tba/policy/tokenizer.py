@@ -10,11 +10,13 @@ process and the searchers' alike.
 from __future__ import annotations
 
 import string
+from collections.abc import Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tba.config import ConfigError
+from tba.tasks import Prompt
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARSET = string.ascii_letters + string.digits + " \n.,?!:;'$%#+-*/=()<>"
@@ -56,7 +58,8 @@ def _closed_vocabulary(symbols: set[str], pre_tokenizer, decoder) -> PreTrainedT
 
 
 def load_tokenizer(path: str, *, chat_template: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer saved with a policy, ready for batched sampling.
+    """The tokenizer saved with a policy, ready for batched sampling; `chat_template`: it must
+    have one.
 
     A response ends at EOS, so a tokenizer without one is refused. One without a pad token (GPT-2,
     Llama) pads with EOS: every mask is built from sequence lengths, never from `ids != pad`, so a
@@ -72,24 +75,33 @@ def load_tokenizer(path: str, *, chat_template: bool = False) -> PreTrainedToken
     tokenizer.padding_side = "left"
     if chat_template and not tokenizer.chat_template:
         raise ConfigError(
-            f"policy.chat_template=true, but the tokenizer in {path} has no chat template"
+            f"the tokenizer in {path} has no chat template, which policy.chat_template=true and "
+            "conversational prompts need"
         )
     return tokenizer
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, texts: list[str], *, chat_template: bool = False
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], *, chat_template: bool = False
 ) -> list[list[int]]:
-    """Token ids of each prompt: the plain text (with the tokenizer's special tokens, e.g. BOS),
-    or, for instruct models, one user turn in the chat template followed by the opening of the
-    assistant's turn, which the response continues."""
-    if not chat_template:
-        return [tokenizer(text)["input_ids"] for text in texts]
-    chats = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        for text in texts
-    ]
-    # The template writes its own special tokens (BOS included); adding them again would double.
-    return [tokenizer(chat, add_special_tokens=False)["input_ids"] for chat in chats]
+    """Token ids of each prompt. A conversation (a list of `{"role", "content"}` messages) is
+    rendered by the tokenizer's chat template, followed by the opening of the assistant's turn,
+    which the response continues, or, when the last message is the assistant's, by nothing: the
+    response continues that message (a prefilled answer). A text prompt is encoded as it is
+    (with the tokenizer's special tokens, e.g. BOS), or with `chat_template` as one user turn,
+    for instruct models."""
+    ids = []
+    for prompt in prompts:
+        if isinstance(prompt, str) and not chat_template:
+            ids.append(tokenizer(prompt)["input_ids"])
+            continue
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prefilled = messages[-1]["role"] == "assistant"
+        chat = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not prefilled,
+            continue_final_message=prefilled,
+        )  # fmt: skip
+        # The template writes its own special tokens (BOS included); adding them again would
+        # double them.
+        ids.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    return ids

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from tba.config import TaskConfig
 
 RewardFn = Callable[..., list[float]]
+# A prompt is a text or a conversation: `{"role": "system" | "user" | "assistant", "content"}`
+# messages, rendered by the policy's chat template.
+Prompt = str | list[dict[str, str]]
 # evaluate(model, tokenizer, settings: tba.evaluation.EvalSettings) -> {metric: value}
 Evaluator = Callable[..., dict[str, float]]
 
@@ -24,7 +27,7 @@ Evaluator = Callable[..., dict[str, float]]
 @dataclass
 class Task:
     name: str
-    train_rows: list[dict]  # each row: {"prompt": str, **columns}
+    train_rows: list[dict]  # each row: {"prompt": Prompt, **columns}
     eval_rows: list[dict]
     reward_fns: list[RewardFn]
     correct_fn: RewardFn | None = None  # 1.0 / 0.0 per completion: what pass@k counts
@@ -34,7 +37,7 @@ class Task:
     # once, with its reward, reward parts and extras, and `annotate(completion)`'s fields.
     export_samples: str | None = None
     annotate: Callable[[str], dict] | None = None
-    conversational: bool = False  # prompts were one-user-turn chats: needs policy.chat_template
+    conversational: bool = False  # some prompts are conversations: needs a chat template
 
 
 def load_task(

@@ -2,9 +2,11 @@
 
 Rows are dicts with a `prompt` column (or fields a `task.prompt_template` renders into one);
 every other column reaches the reward functions as a keyword argument, as in TRL:
-`fn(prompts, completions, **columns) -> list[float]`. A prompt may also be conversational, a
-list of `{"role", "content"}` messages with one user turn: its content is the prompt and the
-policy's chat template is applied (`policy.chat_template`).
+`fn(prompts, completions, **columns) -> list[float]`. A prompt may also be a conversation, as
+in TRL: a list of `{"role", "content"}` messages (system, user and assistant turns) that the
+policy's chat template renders, ending with the user's turn, or with the assistant's, which the
+completion then continues. Reward functions get conversations as TRL gives them: the prompt's
+messages, and each completion as `[{"role": "assistant", "content": ...}]`.
 
 The rewards of all functions are summed. Held-out evaluation is greedy pass@1 of `eval_func`
 when one is given (1 = correct), else `eval_reward`: the mean summed reward of greedy
@@ -75,7 +77,7 @@ def reward_functions(
 
 
 def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tuple[list[dict], bool]:
-    """(rows with a plain-text `prompt`, whether the prompts were conversational)."""
+    """(rows with a `prompt`, text or conversation, whether some prompt is a conversation)."""
     from tba.tasks.data import DatasetError, render, template_fields
 
     prepared: list[dict] = []
@@ -89,7 +91,8 @@ def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tupl
             row["prompt"] = render(template, row)
         prompt = row.get("prompt")
         if isinstance(prompt, list):
-            row["prompt"], conversational = _single_user_turn(prompt, where, number), True
+            _check_conversation(prompt, f"{where}: row {number}")
+            conversational = True
         elif not isinstance(prompt, str):
             raise DatasetError(f"{where}: row {number} has no text `prompt` column "
                                f"(it has: {', '.join(row) or 'none'})")  # fmt: skip
@@ -99,16 +102,23 @@ def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tupl
     return prepared, conversational
 
 
-def _single_user_turn(messages: list, where: str, number: int) -> str:
+ROLES = ("system", "user", "assistant")
+
+
+def _check_conversation(messages: list, where: str) -> None:
+    """A conversation is `{"role": one of ROLES, "content": text}` messages; the last one is
+    the user's (the completion answers it) or the assistant's (the completion continues it)."""
     from tba.tasks.data import DatasetError
 
-    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    if len(messages) != 1 or len(users) != 1 or not isinstance(users[0].get("content"), str):
-        raise DatasetError(
-            f"{where}: row {number}: a conversational prompt must be one user message (system "
-            "prompts and several turns are not supported yet)"
-        )
-    return users[0]["content"]
+    for message in messages:
+        if not (isinstance(message, dict) and message.get("role") in ROLES
+                and isinstance(message.get("content"), str)):  # fmt: skip
+            raise DatasetError(f"{where}: a conversational prompt is a list of messages "
+                               f"{{'role': {' | '.join(ROLES)}, 'content': text}}, "
+                               f"not {message!r:.80}")  # fmt: skip
+    if not messages or messages[-1]["role"] == "system":
+        raise DatasetError(f"{where}: a conversational prompt ends with a user or an "
+                           "assistant message")  # fmt: skip
 
 
 class SummedReward:

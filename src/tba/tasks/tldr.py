@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tba.tasks import Task
+    from tba.tasks import Prompt, Task
 
 PROMPT_TEMPLATE = "{query}"
 ANSWER_FIELD = "reference_response"
@@ -29,7 +29,8 @@ ANSWER_FIELD = "reference_response"
 
 class RewardModel:
     """A reward function `fn(prompts, completions, **columns) -> list[float]`: the reward model's
-    score of each `prompt + completion + EOS`."""
+    score of each `prompt + completion + EOS`, or, for a conversation (TRL's format), of the
+    prompt's and the completion's messages rendered by the reward tokenizer's chat template."""
 
     def __init__(
         self,
@@ -56,13 +57,28 @@ class RewardModel:
     def __setstate__(self, state: dict) -> None:
         self.__dict__ |= state | {"_lock": threading.Lock()}
 
-    def __call__(self, prompts: list[str], completions: list[str], **_: object) -> list[float]:
-        return self.score_pairs(prompts, completions)
+    def __call__(self, prompts: list[Prompt], completions: list, **_: object) -> list[float]:
+        tokenizer = self._load()[1]
+        texts = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if isinstance(prompt, str):
+                texts.append(self._with_eos(prompt + completion))
+            elif not tokenizer.chat_template:
+                raise ValueError(f"the reward model {self.name_or_path!r} has no chat template "
+                                 "to render conversational prompts with")  # fmt: skip
+            else:
+                chat = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+                # `score` tokenizes with the special tokens: a BOS the template wrote would double.
+                texts.append(chat.removeprefix(tokenizer.bos_token or ""))
+        return self.score(texts)
 
     def score_pairs(self, prompts: list[str], responses: list[str]) -> list[float]:
         """Scores of `prompt + response`, each ending with exactly one EOS."""
+        return self.score([self._with_eos(p + r) for p, r in zip(prompts, responses)])
+
+    def _with_eos(self, text: str) -> str:
         eos = self._load()[1].eos_token or ""
-        return self.score([p + r.removesuffix(eos) + eos for p, r in zip(prompts, responses)])
+        return text.removesuffix(eos) + eos
 
     def score(self, texts: list[str]) -> list[float]:
         """Scores of whole texts, read at their last token (padding excluded)."""
