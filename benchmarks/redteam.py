@@ -47,7 +47,7 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             "rloo": Method("RLOO (async)", [*ASYNC, "train.loss=rloo"]),
         },
         "scaling": {
-            f"tb-x{n}": Method(f"TB, {n} searcher{'s' if n > 1 else ''}' samples per step",
+            f"tb-x{n}": Method(f"TB, samples of {n} searcher{'s' if n > 1 else ''} per step",
                                [*sync, f"searchers.prompts_per_batch={4 * n}"])
             for n in (1, 2, 4)
         },  # fmt: skip
