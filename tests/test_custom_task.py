@@ -16,7 +16,7 @@ from tba import TBAConfig, TBATrainer
 from tba.cli import main
 from tba.config import ConfigError, load_config
 from tba.policy.tokenizer import build_char_tokenizer, encode_prompts
-from tba.rewards import as_reward_completions
+from tba.rewards import as_reward_inputs
 from tba.rundir import read_metrics
 from tba.tasks import load_task
 from tba.tasks.custom import (
@@ -118,7 +118,9 @@ def test_conversations_are_rendered_by_the_chat_template_and_prefills_continued(
         "user: 2+2?\nassistant: It is",
         "<bos>plain",  # text prompts stay text unless policy.chat_template=true
     ]
-    completions = as_reward_completions([CONVERSATION, prefilled, "plain"], ["6", " 4", "x"])
+    # As TRL gives them: the prefill moves from the prompt into the completion.
+    prompts, completions = as_reward_inputs([CONVERSATION, prefilled, "plain"], ["6", " 4", "x"])
+    assert prompts == [CONVERSATION, prefilled[:1], "plain"]
     assert completions == [[{"role": "assistant", "content": "6"}],
                            [{"role": "assistant", "content": "It is 4"}], "x"]  # fmt: skip
 
@@ -132,7 +134,8 @@ def test_tba_trainer_trains_on_conversations_and_rewards_see_them_as_in_trl(
         seen.extend(zip(prompts, completions, strict=True))
         return [-len(c[0]["content"]) / 8 for c in completions]
 
-    prefilled = [*CONVERSATION, {"role": "assistant", "content": "It is"}]
+    question = [{"role": "user", "content": "2+2?"}]
+    prefilled = [*question, {"role": "assistant", "content": "It is"}]
     rows = [{"prompt": CONVERSATION}, {"prompt": prefilled}] * 4
     config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
     trainer = TBATrainer(model=tiny_model, reward_funcs=brief, train_dataset=rows, args=config,
@@ -140,9 +143,9 @@ def test_tba_trainer_trains_on_conversations_and_rewards_see_them_as_in_trl(
     results = trainer.train()
     assert "eval_reward" in results["final"]
     prompts = {json.dumps(prompt) for prompt, _ in seen}
-    assert prompts == {json.dumps(CONVERSATION), json.dumps(prefilled)}
+    assert prompts == {json.dumps(CONVERSATION), json.dumps(question)}
     assert all(c[0]["role"] == "assistant" for _, c in seen)
-    assert all(c[0]["content"].startswith("It is") for p, c in seen if p == prefilled)
+    assert all(c[0]["content"].startswith("It is") for p, c in seen if p == question)
 
 
 def test_conversations_need_a_tokenizer_with_a_chat_template(tmp_path, tiny_model, tokenizer):

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.policy.sampling import generate
 from tba.policy.tokenizer import encode_prompts
-from tba.rewards import as_reward_completions, call_reward
+from tba.rewards import as_reward_inputs, call_reward
 from tba.tasks import RewardFn, Task
 
 
@@ -94,7 +94,7 @@ def _scores(
         )
         completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
-        completions = as_reward_completions(prompts, completions)
+        prompts, completions = as_reward_inputs(prompts, completions)
         results += [float(s) for s in call_reward(score_fn, prompts, completions, **columns)]
     return results
 

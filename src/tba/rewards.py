@@ -5,7 +5,7 @@ completion. A function that takes `log_extra` (by name or through `**kwargs`) ge
 callable `log_extra(column, values)`: one value per completion, kept with each sample as
 `extras[column]` (e.g. the red-teaming reward's `toxicity`). Where the prompt is a conversation,
 the completion comes as TRL gives it, `[{"role": "assistant", "content": text}]`
-(`as_reward_completions`).
+(`as_reward_inputs`).
 
 When a call raises, does not return within `timeout_s`, returns None, a list of the wrong length,
 or None/NaN/inf for some completions, the completions it failed on are dropped and counted (never
@@ -60,18 +60,25 @@ def call_reward(fn: RewardFn, *args: Any, **kwargs: Any) -> Any:
     return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
-def as_reward_completions(prompts: Sequence[Prompt], completions: list[str]) -> list:
-    """Completions as the reward functions get them: text after a text prompt; after a
-    conversation, the assistant's message, whose content starts with the prompt's own assistant
-    message when the completion continued it."""
+def as_reward_inputs(
+    prompts: Sequence[Prompt], completions: list[str]
+) -> tuple[list[Prompt], list]:
+    """Prompts and completions as the reward functions get them (TRL's conversational format):
+    after a text prompt, the completion's text; after a conversation, the completion as the
+    assistant's message. A completion that continued the prompt's own assistant message (a
+    prefill) gets that message's text in front, and the prompt goes without it."""
+    shaped_prompts: list[Prompt] = []
     shaped: list = []
     for prompt, completion in zip(prompts, completions, strict=True):
         if isinstance(prompt, str):
+            shaped_prompts.append(prompt)
             shaped.append(completion)
             continue
-        prefill = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
+        prefilled = prompt[-1]["role"] == "assistant"
+        prefill = prompt[-1]["content"] if prefilled else ""
+        shaped_prompts.append(prompt[:-1] if prefilled else prompt)
         shaped.append([{"role": "assistant", "content": prefill + completion}])
-    return shaped
+    return shaped_prompts, shaped
 
 
 def _name(fn: RewardFn) -> str:
@@ -109,7 +116,7 @@ class RewardScorer:
     ) -> tuple[list[float], dict[str, list[float]], list[tuple[str, str, int]], dict[str, list]]:
         """(totals, values per function, faults, extra columns). A fault is (function, reason,
         completions affected); a total is NaN where some function gave no usable value."""
-        completions = as_reward_completions(prompts, completions)
+        prompts, completions = as_reward_inputs(prompts, completions)
         parts: dict[str, list[float]] = {}
         faults: list[tuple[str, str, int]] = []
         extras: dict[str, list] = {}

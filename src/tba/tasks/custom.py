@@ -6,7 +6,8 @@ every other column reaches the reward functions as a keyword argument, as in TRL
 in TRL: a list of `{"role", "content"}` messages (system, user and assistant turns) that the
 policy's chat template renders, ending with the user's turn, or with the assistant's, which the
 completion then continues. Reward functions get conversations as TRL gives them: the prompt's
-messages, and each completion as `[{"role": "assistant", "content": ...}]`.
+messages, and each completion as `[{"role": "assistant", "content": ...}]`, a prefill moved from
+the prompt to the front of the completion (`tba.rewards.as_reward_inputs`).
 
 The rewards of all functions are summed. Held-out evaluation is greedy pass@1 of `eval_func`
 when one is given (1 = correct), else `eval_reward`: the mean summed reward of greedy
