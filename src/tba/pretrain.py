@@ -6,6 +6,8 @@
   samples, which leaves TB something to sharpen.
 - **redteam**: the red-teaming world of `tba.tasks.redteam_world`: the attacker's prior (the
   policy), the victim and the harmfulness classifier, sharing one word-level tokenizer.
+- **summarize**: the summarisation world of `tba.tasks.summarize_world`: the SFT summariser (the
+  policy) and the proxy reward model trained on the gold judge's preferences.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -195,22 +198,32 @@ def train_classifier(
     rng: random.Random, log=print,
 ) -> None:  # fmt: skip
     """Cross-entropy on (text, label) pairs, texts right-padded."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    start = time.time()
-    model.train()
-    for step in range(steps):
+
+    def batch_loss() -> torch.Tensor:
         batch = rng.sample(pairs, batch_size)
         ids = [tokenizer(text)["input_ids"] for text, _ in batch]
         input_ids, attention = right_pad(ids, tokenizer.pad_token_id, "cpu")
         logits = model(input_ids=input_ids, attention_mask=attention).logits
         labels = torch.tensor([label for _, label in batch])
-        loss = torch.nn.functional.cross_entropy(logits, labels)
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+    fit(model, batch_loss, steps=steps, lr=lr, name="classifier", log=log)
+
+
+def fit(
+    model, batch_loss: Callable[[], torch.Tensor], *, steps: int, lr: float, name: str, log=print
+) -> None:
+    """`steps` AdamW steps at a constant `lr`, each on `batch_loss()` (a fresh batch's loss)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    start = time.time()
+    model.train()
+    for step in range(steps):
+        loss = batch_loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         if step % 100 == 0 or step == steps - 1:
-            log(f"classifier step {step}/{steps} loss {loss.item():.4f} "
-                f"({time.time() - start:.0f}s)")  # fmt: skip
+            log(f"{name} step {step}/{steps} loss {loss.item():.4f} ({time.time() - start:.0f}s)")
 
 
 
@@ -352,23 +365,17 @@ def train_reward_model(
 
         loss = -log sigmoid(r(chosen) - r(rejected)) + center * (r(chosen) + r(rejected))^2
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    start = time.time()
-    model.train()
-    for step in range(steps):
+
+    def batch_loss() -> torch.Tensor:
         batch = rng.sample(pairs, min(batch_size, len(pairs)))
         prompts = [p for p, _, _ in batch] * 2
         scores = reward_model_scores(model, tokenizer, prompts,
                                      [c for _, c, _ in batch] + [r for _, _, r in batch])
         chosen, rejected = scores.chunk(2)
-        loss = (-torch.nn.functional.logsigmoid(chosen - rejected)
+        return (-torch.nn.functional.logsigmoid(chosen - rejected)
                 + center * (chosen + rejected) ** 2).mean()  # fmt: skip
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"reward model step {step}/{steps} loss {loss.item():.4f} "
-                f"({time.time() - start:.0f}s)")  # fmt: skip
+
+    fit(model, batch_loss, steps=steps, lr=lr, name="reward model", log=log)
     model.eval()
 
 

@@ -62,7 +62,7 @@ class RewardModel:
         texts = []
         for prompt, completion in zip(prompts, completions, strict=True):
             if isinstance(prompt, str):
-                texts.append(self._with_eos(prompt + completion))
+                texts.append(_ending_with_eos(prompt + completion, tokenizer))
             elif not tokenizer.chat_template:
                 raise ValueError(f"the reward model {self.name_or_path!r} has no chat template "
                                  "to render conversational prompts with")  # fmt: skip
@@ -74,11 +74,8 @@ class RewardModel:
 
     def score_pairs(self, prompts: list[str], responses: list[str]) -> list[float]:
         """Scores of `prompt + response`, each ending with exactly one EOS."""
-        return self.score([self._with_eos(p + r) for p, r in zip(prompts, responses)])
-
-    def _with_eos(self, text: str) -> str:
-        eos = self._load()[1].eos_token or ""
-        return text.removesuffix(eos) + eos
+        tokenizer = self._load()[1]
+        return self.score([_ending_with_eos(p + r, tokenizer) for p, r in zip(prompts, responses)])
 
     def score(self, texts: list[str]) -> list[float]:
         """Scores of whole texts, read at their last token (padding excluded)."""
@@ -102,6 +99,12 @@ class RewardModel:
                     self.name_or_path, self.device, self.tokenizer_fallback
                 )
         return self._model, self._tokenizer
+
+
+def _ending_with_eos(text: str, tokenizer: Any) -> str:
+    """`text` ending with exactly one EOS, where the reward model's score is read."""
+    eos = tokenizer.eos_token or ""
+    return text.removesuffix(eos) + eos
 
 
 def _last_token_scores(model: Any, batch: Any) -> Any:
