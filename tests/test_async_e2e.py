@@ -128,9 +128,11 @@ def test_async_run_with_two_searchers_learns(tmp_path):
 
 def test_killed_searcher_is_restarted_and_the_run_completes(tmp_path):
     process, run_dir = start_run(
+        # Long enough for the replacement to load and report ready on a busy machine.
         tmp_path, "train.mode=async", "searchers.count=2", "train.max_steps=100000",
-        "train.max_minutes=0.4",
+        "train.max_minutes=0.75",
     )  # fmt: skip
+
     def second_searcher() -> list[dict]:
         return [e for e in events(run_dir) if e["event"] == "searcher_ready" and e["searcher"]]
 
