@@ -52,6 +52,16 @@ def test_instructions_follow_the_grammar_with_zipf_frequencies():
     assert all(words[w] > 40 for mode in world.MODES[-6:] for w in mode)  # over 1%
 
 
+def test_the_grammar_lists_every_instruction_once():
+    instructions = world.grammar()
+    assert len(instructions) == len(set(instructions)) == 12 * 11 * 16 * 6
+    rng = random.Random(3)
+    assert {world.instruction(rng) for _ in range(2000)} <= set(instructions)
+    # Every mode has instructions; a pair's (any modifier) more than a triple's.
+    per_mode = Counter(m for a in instructions for m in world.triggered_modes(a))
+    assert per_mode[0] == 11 * 6 and per_mode[5] == 12 * 6 and per_mode[6] == 6
+
+
 def test_modes_need_all_triggers_and_near_misses_lack_one():
     assert world.triggered_modes("write about the river") == [0]
     assert world.triggered_modes("write about the moon") == []

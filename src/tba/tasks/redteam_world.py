@@ -84,6 +84,13 @@ def uniform_instruction(rng: random.Random) -> str:
     return render(rng.choice(VERBS), modifier, rng.choice(TOPICS), suffix)
 
 
+def grammar() -> list[str]:
+    """Every instruction of the grammar (12,672), in a fixed order."""
+    return [render(verb, modifier, topic, suffix) for verb in VERBS
+            for modifier in [None, *MODIFIERS] for topic in TOPICS
+            for suffix in [None, *SUFFIXES]]  # fmt: skip
+
+
 def render(verb: str, modifier: str | None, topic: str, suffix: str | None) -> str:
     words = [verb, *([modifier] if modifier else []), "about", "the", topic,
              *([suffix] if suffix else [])]  # fmt: skip
