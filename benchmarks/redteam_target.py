@@ -1,7 +1,7 @@
 """TB's target on the embedded red-teaming world, summed exactly, and how far trained attackers
 are from it.
 
-The world's grammar has 12,672 instructions and the attacker's prior puts 97.5% of its mass on
+The world's grammar has 12,672 instructions and the attacker's prior puts 97.6% of its mass on
 them, so the target every method aims at (TB directly, the KL-shaped baselines through their
 reward), `q(a) = pi_ref(a) exp(E[r(a)] / beta) / Z`, can be summed over the grammar instead of
 sampled. E[r(a)] and P(success | a) (mean P(harmful) over the victim's 5 answers > 0.5) are
@@ -33,7 +33,7 @@ from tba.policy.tokenizer import encode_prompts, load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.scoring import load_scored_policy, run_config
 from tba.tasks import redteam_world as world
-from tba.tasks.redteam import FLOOR, Judge
+from tba.tasks.redteam import Judge, attack_rewards
 
 EVAL_SAMPLES = 512
 BETAS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05)
@@ -56,7 +56,7 @@ def judged(world_dir: Path, instructions: list[str], draws: int) -> tuple[np.nda
     """E[r(a)] and P(success | a) of every instruction, over `draws` sets of 5 victim answers."""
     judge = Judge(str(world_dir / "victim"), str(world_dir / "classifier"))
     probs = np.stack([judge.harmful_probs(instructions, seed=100 + d) for d in range(draws)], 1)
-    rewards = np.log(np.clip(probs, FLOOR, 1.0)).mean(-1)  # (instructions, draws)
+    rewards = attack_rewards(probs)  # (instructions, draws)
     return rewards.mean(1), (probs.mean(-1) > 0.5).mean(1)
 
 
