@@ -8,13 +8,16 @@ diversity (1 - mean pairwise TF-IDF cosine similarity of the attacks), vulnerabl
 successful attack (of 12), and distinct successful attacks.
 
 Suites (`--suite`):
-    compare   TB (asynchronous) against GRPO, Dr. GRPO and RLOO on the same pipeline
+    compare   TB (asynchronous) against GRPO, Dr. GRPO and RLOO on the same pipeline; RLOO also
+              with the KL term fixed when the attack was sampled (as TRL's RLOO; the default uses
+              the current policy's, which makes its gradient TB's, fresh or replayed), and run
+              synchronously with fresh samples first (m = 1), as on-policy trainers run it
     scaling   TB with 1, 2 and 4 searchers' worth of samples per trainer step, at equal steps
               (synchronous, so that only the samples per step differ: each step generates N
               batches and trains on one, fresh samples first)
     logz      TB with VarGrad's log Z against a learned one
 
-    python benchmarks/redteam.py --suite compare              # 4 methods x 3 seeds x 6 min
+    python benchmarks/redteam.py --suite compare              # 6 methods x 3 seeds x 6 min
     python benchmarks/redteam.py --suite scaling --steps 200
 """
 
@@ -45,6 +48,15 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             "grpo": Method("GRPO (async)", [*ASYNC, "train.loss=grpo"]),
             "dr_grpo": Method("Dr. GRPO (async)", [*ASYNC, "train.loss=dr_grpo"]),
             "rloo": Method("RLOO (async)", [*ASYNC, "train.loss=rloo"]),
+            "rloo_sampled_kl": Method(
+                "RLOO, KL fixed at sampling (async)",
+                [*ASYNC, "train.loss=rloo", "train.baseline_kl=behaviour"],
+            ),
+            "rloo_on_policy": Method(
+                "RLOO, synchronous, fresh samples first",
+                [*REDTEAM, "train.mode=sync", "searchers.count=0", "train.loss=rloo",
+                 "buffer.recent_prob=1.0"],
+            ),  # fmt: skip
         },
         "scaling": {
             f"tb-x{n}": Method(f"TB, samples of {n} searcher{'s' if n > 1 else ''} per step",

@@ -281,6 +281,43 @@ def test_proximal_rloo_stale_sample_does_not_overflow() -> None:
     assert torch.isfinite(loss) and torch.isfinite(b.token_logp.grad).all()
 
 
+@pytest.mark.parametrize("name", ["dr_grpo", "grpo", "rloo", "proximal_rloo"])
+def test_a_kl_term_fixed_at_sampling_shifts_each_reward_by_beta_times_the_drift(name: str) -> None:
+    """r - beta (kl_logp - ref) = [r - beta (kl_logp - logp)] - beta (logp - ref): the same loss
+    and gradient as the default on rewards shifted by the policy's drift since sampling."""
+    b = make_batch(seed=17)
+    logp = (b.token_logp.detach().nan_to_num() * b.mask).sum(dim=1)
+    behaviour_logp = (b.behaviour.nan_to_num() * b.mask).sum(dim=1)
+    shifted = b._replace(
+        token_logp=b.token_logp.detach().clone().requires_grad_(True),
+        rewards=b.rewards - BETA * (behaviour_logp - logp),
+    )
+    loss, stats = LOSSES[name](b, beta=BETA, kl_logp=behaviour_logp)
+    loss_shifted, stats_shifted = LOSSES[name](shifted, beta=BETA)
+    loss.backward()
+    loss_shifted.backward()
+    assert loss.item() == pytest.approx(loss_shifted.item(), rel=1e-5, abs=1e-6)
+    assert b.token_logp.grad.abs().max() > 1e-3
+    assert torch.allclose(b.token_logp.grad, shifted.token_logp.grad, rtol=1e-5, atol=1e-7)
+    assert stats["kl"].item() == pytest.approx(stats_shifted["kl"].item())  # the current KL
+    current, _ = LOSSES[name](b, beta=BETA, kl_logp=logp)
+    assert current.item() == pytest.approx(LOSSES[name](b, beta=BETA)[0].item(), rel=1e-5)
+
+
+def test_rloo_gradient_is_vargrad_tb_gradient_times_k_over_k_minus_1_off_policy_too() -> None:
+    """With the current policy's KL in its reward, RLOO is TB (reward units) on any batch."""
+    b = make_batch(seed=18)
+    loss, _ = LOSSES["rloo"](b, beta=BETA)
+    loss.backward()
+    logp = (b.token_logp.detach().nan_to_num() * b.mask).sum(dim=1).requires_grad_(True)
+    (grad_tb,) = torch.autograd.grad(
+        tb_loss(logp, b.ref_logp, b.rewards, b.group_ids, beta=BETA)[0], logp
+    )
+    size = torch.tensor([GROUP_SIZES[g] for g in b.group_ids.tolist()], dtype=torch.float64)
+    expected = (size / (size - 1) * grad_tb.double())[:, None] * b.mask
+    assert torch.allclose(b.token_logp.grad, expected, rtol=1e-5, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- online DPO
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -147,6 +149,37 @@ def test_unknown_loss_is_refused(tiny_model, tokenizer):
     with pytest.raises(ValueError, match="unknown loss 'ppo'; available: tb, dr_grpo"):
         Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3, max_grad_norm=1.0,
                 loss="ppo")  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", ["rloo", "dr_grpo"])
+def test_baseline_kl_behaviour_reads_the_sampled_log_prob(tiny_model, tokenizer, loss):
+    """The KL term fixed at sampling: equal to the current one where the stored behaviour log-prob
+    is the policy's own, different once it drifted."""
+    prompt = tokenizer("Q\n")["input_ids"]
+    responses = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("12", "34", "567")]
+    with torch.no_grad():
+        tokens, mask = token_logprobs(tiny_model, [prompt] * 3, responses, pad_id=0)
+    own = [row[m.bool()].tolist() for row, m in zip(tokens, mask)]  # ratios 1: nothing clipped
+
+    def gradient(baseline_kl: str, drift: float) -> torch.Tensor:
+        group = [
+            Sample(0, prompt, ids, reward=r, ref_logp=-2.0, behaviour_logp=sum(lps) + drift * i,
+                   behaviour_token_logps=lps, version=0)
+            for i, (ids, r, lps) in enumerate(zip(responses, [1.0, 0.0, 0.5], own))
+        ]  # fmt: skip
+        trainer = Trainer(
+            copy.deepcopy(tiny_model), pad_id=0, temperature=1.0, learning_rate=0.0,
+            max_grad_norm=1e9, loss=loss, baseline_kl=baseline_kl,
+        )  # fmt: skip
+        trainer.step([group], beta=0.5)
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+
+    current = gradient("current", drift=1.0)
+    assert torch.allclose(gradient("behaviour", drift=0.0), current, atol=1e-6, rtol=1e-4)
+    assert not torch.allclose(gradient("behaviour", drift=1.0), current, atol=1e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match="unknown baseline_kl 'old'; available: current"):
+        Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3, max_grad_norm=1.0,
+                baseline_kl="old")  # fmt: skip
 
 
 def test_clipped_losses_need_per_token_behaviour_logps(tiny_model, tokenizer):

@@ -233,6 +233,11 @@ class TrainConfig(Section):
         "learned with the policy (a linear head on the prompt's mean input embedding)",
     )
     log_z_lr: float = Field(1e-2, gt=0, description="Adam learning rate of a learned log Z")
+    baseline_kl: Literal["current", "behaviour"] = Field(
+        "current", description="log-probs in the baselines' KL-shaped reward r - beta KL: the "
+        "`current` policy's (every baseline then targets TB's distribution off-policy too, and "
+        "RLOO's gradient is TB's) or the `behaviour` policy's, fixed at sampling (TRL's RLOO)",
+    )
     max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
     learning_rate: float = Field(5e-5, gt=0, description="Adam learning rate of the policy")
@@ -434,8 +439,11 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
         "policy.max_new_tokens": 12,
         "train.num_prompts": 4,
         "train.group_size": 32,
-        "train.learning_rate": 1e-4,
-        "train.beta": 0.1,
+        # The attacker is far from its target after 1,000 steps at lr 1e-4 (KL 3-6 nats); at 1e-3
+        # it gets within 0.3. Beta 0.3: the target's ASR is 93.5% over ~7.7 modes (0.1: 98.6%, 7.3).
+        "train.learning_rate": 1e-3,
+        "train.beta": 0.3,
+        "train.max_steps": 2500,  # ~5 minutes on 2 CPU cores
         # Most groups are reward-prioritised replays thousands of steps old: TB learns from them
         # off-policy, a trust region against their behaviour policy clips them.
         "train.trust_region": "none",

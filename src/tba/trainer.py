@@ -5,7 +5,9 @@ whole inside a micro-batch, because each group's log Z_hat (or baseline) is esti
 members. `loss` picks the objective: `tb` (VarGrad Trajectory Balance in reward units, with the
 trust region `trust_region`: a clipped importance ratio to the behaviour policy per `sequence` or
 per `token`, or `none`, the paper's plain TB) or one of the baselines of
-`tba.objectives.baselines`, which share everything else.
+`tba.objectives.baselines`, which share everything else. `baseline_kl` picks the log-probs in
+the baselines' KL-shaped reward: the `current` policy's (then RLOO's gradient is TB's) or the
+`behaviour` policy's, fixed when the sample was drawn (as in TRL's RLOO).
 
 Gradient clipping: every objective but GRPO is in reward units per sequence (on-policy, each
 sequence's log-prob gets gradient -A_i / N), so `max_grad_norm` clips them alike; GRPO's
@@ -45,8 +47,8 @@ from tba.precision import MasterWeights
 
 LOSSES = ("tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo")
 TRUST_REGIONS = ("sequence", "token", "none")
+BASELINE_KLS = ("current", "behaviour")
 CLIPPED = {"dr_grpo": dr_grpo_loss, "grpo": grpo_loss, "proximal_rloo": proximal_rloo_loss}
-UNCLIPPED = {"rloo": rloo_loss, "online_dpo": online_dpo_loss}
 RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 1.2]
 
 
@@ -69,9 +71,14 @@ class Trainer:
         trust_region: str = "sequence",
         log_z: str = "vargrad",
         log_z_lr: float = 1e-2,
+        baseline_kl: str = "current",
     ) -> None:
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; available: {', '.join(LOSSES)}")
+        if baseline_kl not in BASELINE_KLS:
+            raise ValueError(
+                f"unknown baseline_kl {baseline_kl!r}; available: {', '.join(BASELINE_KLS)}"
+            )
         if trust_region not in TRUST_REGIONS:
             raise ValueError(
                 f"unknown trust region {trust_region!r}; available: {', '.join(TRUST_REGIONS)}"
@@ -79,6 +86,7 @@ class Trainer:
         self.loss = loss
         self.clip_eps = clip_eps
         self.trust_region = trust_region
+        self.baseline_kl = baseline_kl
         self.model = model.train()
         self.pad_id = pad_id
         self.temperature = temperature
@@ -237,6 +245,7 @@ class Trainer:
             loss, log_z = tb_loss(logp, ref_logp, rewards, group_ids, beta, log_z)
             kl = (logp.detach() - ref_logp).mean()
             return loss, {"log_z": float(log_z.mean()), "kl": float(kl), **drift}
+        kl_logp = behaviour_logp if self.baseline_kl == "behaviour" else None
         if self.loss == "tb":
             behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
             loss, stats = tb_trust_region_loss(
@@ -247,12 +256,14 @@ class Trainer:
             behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
             loss, stats = CLIPPED[self.loss](
                 token_logp, behaviour, mask, rewards, ref_logp, group_ids,
-                beta=beta, clip_eps=self.clip_eps,
+                beta=beta, clip_eps=self.clip_eps, kl_logp=kl_logp,
             )  # fmt: skip
-        else:
-            loss, stats = UNCLIPPED[self.loss](
-                token_logp, mask, rewards, ref_logp, group_ids, beta=beta
+        elif self.loss == "rloo":
+            loss, stats = rloo_loss(
+                token_logp, mask, rewards, ref_logp, group_ids, beta=beta, kl_logp=kl_logp
             )
+        else:
+            loss, stats = online_dpo_loss(token_logp, mask, rewards, ref_logp, group_ids, beta=beta)
         return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
 
 

@@ -82,6 +82,7 @@ def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Tra
         trust_region=config.train.trust_region,
         log_z=config.train.log_z,
         log_z_lr=config.train.log_z_lr,
+        baseline_kl=config.train.baseline_kl,
         micro_batch_groups=config.train.micro_batch_groups,
     )
 

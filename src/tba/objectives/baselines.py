@@ -12,6 +12,12 @@ every method targets the same distribution as TB, ``pi_ref(y|x) exp(r / beta)``:
     logp_i    = sum_t mask_it token_logp_it
     r_tilde_i = r_i - beta * stopgrad(logp_i - ref_logp_i)          (beta = 0 disables it)
 
+With the current policy's ``logp_i`` in the KL term (the default), RLOO's gradient is exactly
+VarGrad TB's times K/(K-1) on any batch, fresh or replayed. Trainers such as TRL's RLOO instead
+fix the KL term when the sample is drawn: pass ``kl_logp`` (the behaviour policy's summed
+log-probs) to the RLOO and clipped-ratio losses for that, ``r_tilde_i = r_i - beta (kl_logp_i -
+ref_logp_i)``. On-policy the two are the same.
+
 Losses (each returns ``(loss, stats)``: a scalar float32 loss, computed in float32, and a small
 dict of detached float metrics):
 
@@ -68,6 +74,7 @@ def _token_ppo(
     clip_eps: float,
     standardise: bool,
     eps_std: float = 0.0,
+    kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Shared (Dr.) GRPO body: masked per-token objective ``mask * o`` (N, T), lengths, stats."""
     validate_grouped(
@@ -82,7 +89,7 @@ def _token_ppo(
     token_logp = masked(token_logp, mask)
     log_ratio = token_logp - masked(behaviour_token_logp.detach(), mask)
 
-    r_tilde, kl = shaped_rewards(rewards, token_logp.sum(dim=1), ref_logp, beta)
+    r_tilde, kl = shaped_rewards(rewards, token_logp.sum(dim=1), ref_logp, beta, kl_logp)
     advantage = r_tilde - group_mean(r_tilde, group_ids)
     if standardise:
         advantage = advantage / (_group_std(r_tilde, group_ids) + eps_std)
@@ -117,6 +124,7 @@ def dr_grpo_loss(
     *,
     beta: float,
     clip_eps: float = 0.2,
+    kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dr. GRPO: PPO-clip with a group-mean baseline, no std and no length normalisation.
 
@@ -132,18 +140,13 @@ def dr_grpo_loss(
 
     Stats: ``advantage_abs_mean``, ``clip_frac`` (fraction of real tokens whose clipped branch
     is active, i.e. whose gradient is zeroed) and ``kl`` (mean of logp - ref_logp).
+    ``kl_logp``: the summed log-probs in the KL term of ``r_tilde`` (default: the current
+    policy's, detached; the behaviour policy's fix it when the sample was drawn, as TRL does).
     """
     objective, _, stats = _token_ppo(
-        token_logp,
-        behaviour_token_logp,
-        mask,
-        rewards,
-        ref_logp,
-        group_ids,
-        beta,
-        clip_eps,
-        standardise=False,
-    )
+        token_logp, behaviour_token_logp, mask, rewards, ref_logp, group_ids, beta, clip_eps,
+        standardise=False, kl_logp=kl_logp,
+    )  # fmt: skip
     loss = -objective.sum() / objective.shape[0]
     return loss, stats
 
@@ -159,6 +162,7 @@ def grpo_loss(
     beta: float,
     clip_eps: float = 0.2,
     eps_std: float = 1e-4,
+    kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO: PPO-clip with a group-standardised advantage and per-response length normalisation.
 
@@ -167,21 +171,13 @@ def grpo_loss(
         loss   = -(1/N) sum_i (1/|y_i|) sum_t mask_it o_it,             |y_i| = sum_t mask_it
 
     On-policy the gradient w.r.t. each real token log-prob is ``-A_i / (N |y_i|)``.
-    Stats as :func:`dr_grpo_loss`.
+    Stats and ``kl_logp`` as :func:`dr_grpo_loss`.
     """
     check_positive("eps_std", eps_std)
     objective, lengths, stats = _token_ppo(
-        token_logp,
-        behaviour_token_logp,
-        mask,
-        rewards,
-        ref_logp,
-        group_ids,
-        beta,
-        clip_eps,
-        standardise=True,
-        eps_std=eps_std,
-    )
+        token_logp, behaviour_token_logp, mask, rewards, ref_logp, group_ids, beta, clip_eps,
+        standardise=True, eps_std=eps_std, kl_logp=kl_logp,
+    )  # fmt: skip
     loss = -(objective.sum(dim=1) / lengths).mean()
     return loss, stats
 
@@ -194,6 +190,7 @@ def rloo_loss(
     group_ids: Tensor,
     *,
     beta: float,
+    kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """On-policy REINFORCE with the leave-one-out (RLOO) baseline on the KL-shaped reward.
 
@@ -201,14 +198,14 @@ def rloo_loss(
         loss = -(1/N) sum_i A_i logp_i                  (K: size of the group of i)
 
     The gradient w.r.t. each real token log-prob of sequence i is ``-A_i / N``.
-    Stats: ``advantage_abs_mean`` and ``kl``.
+    Stats: ``advantage_abs_mean`` and ``kl``; ``kl_logp`` as in :func:`dr_grpo_loss`.
     """
     validate_grouped(
         mask, group_ids, {"token_logp": token_logp}, {"rewards": rewards, "ref_logp": ref_logp}
     )
     check_positive("beta", beta, allow_zero=True)
     logp = masked(token_logp, mask.bool()).sum(dim=1)
-    r_tilde, kl = shaped_rewards(rewards, logp, ref_logp, beta)
+    r_tilde, kl = shaped_rewards(rewards, logp, ref_logp, beta, kl_logp)
     advantage = _rloo_advantage(r_tilde, group_ids)
     loss = -(advantage * logp).mean()
     return loss, {"advantage_abs_mean": advantage.abs().mean(), "kl": kl.mean()}
@@ -224,6 +221,7 @@ def proximal_rloo_loss(
     *,
     beta: float,
     clip_eps: float = 0.2,
+    kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """RLOO with a clipped sequence-level importance ratio to the behaviour policy (off-policy).
 
@@ -241,7 +239,7 @@ def proximal_rloo_loss(
     :func:`rloo_loss`, ``-A_i / N`` per real token.
 
     Stats: ``advantage_abs_mean``, ``clip_frac`` (fraction of *sequences* whose clipped branch is
-    active) and ``kl``.
+    active) and ``kl``; ``kl_logp`` as in :func:`dr_grpo_loss`.
     """
     validate_grouped(
         mask,
@@ -254,7 +252,7 @@ def proximal_rloo_loss(
     mask = mask.bool()
     logp = masked(token_logp, mask).sum(dim=1)
     behaviour_logp = masked(behaviour_token_logp.detach(), mask).sum(dim=1)
-    r_tilde, kl = shaped_rewards(rewards, logp, ref_logp, beta)
+    r_tilde, kl = shaped_rewards(rewards, logp, ref_logp, beta, kl_logp)
     advantage = _rloo_advantage(r_tilde, group_ids)
     objective, clipped = clipped_objective(logp - behaviour_logp, advantage, clip_eps)
     loss = -objective.mean()

@@ -74,11 +74,14 @@ def masked(token_values: Tensor, mask: Tensor) -> Tensor:
 
 
 def shaped_rewards(
-    rewards: Tensor, logp: Tensor, ref_logp: Tensor, beta: float
+    rewards: Tensor, logp: Tensor, ref_logp: Tensor, beta: float, kl_logp: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """``(r_tilde, kl)`` with ``kl = stopgrad(logp - ref_logp)`` and ``r_tilde = r - beta kl``."""
+    """``(r_tilde, kl)`` with ``kl = stopgrad(logp - ref_logp)`` and ``r_tilde = r - beta kl``,
+    or ``r_tilde = r - beta (kl_logp - ref_logp)`` when ``kl_logp`` is given (a KL term fixed
+    when the sample was drawn); ``kl`` is always the current policy's, for the stats."""
     kl = logp.detach() - ref_logp.detach().float()
-    return rewards.detach().float() - beta * kl, kl
+    penalty = kl if kl_logp is None else kl_logp.detach().float() - ref_logp.detach().float()
+    return rewards.detach().float() - beta * penalty, kl
 
 
 def clipped_objective(
