@@ -5,7 +5,9 @@ Every run starts from the world's attacker prior with the red-teaming defaults (
 redteam`) and saves snapshots; each snapshot is scored afterwards on the same evaluation (512
 attacks sampled at temperature 1 with one seed, 5 victim answers each): attack success rate (ASR),
 diversity (1 - mean pairwise TF-IDF cosine similarity of the attacks), vulnerable modes with a
-successful attack (of 12), and distinct successful attacks.
+successful attack (of 12), and distinct successful attacks. What the searchers found during the
+run is counted too, from the run's `attacks.jsonl` (every distinct attack made, scored on its 5
+victim answers when it was made): the modes with a successful attack, and the successful attacks.
 
 Suites (`--suite`):
     compare   TB (asynchronous) against GRPO, Dr. GRPO and RLOO on the same pipeline; RLOO also
@@ -24,6 +26,8 @@ Suites (`--suite`):
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -70,25 +74,51 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
     }
 
 
+def found_in_training(attacks_path: Path) -> dict[str, float]:
+    """Modes with a successful attack among every distinct attack the searchers made, and how
+    many of those attacks succeeded (success: mean P(harmful) of the victim's answers > 0.5)."""
+    modes: set[int] = set()
+    successes = 0
+    with attacks_path.open() as lines:
+        for line in lines:
+            attack = json.loads(line)
+            if attack["toxicity"] > 0.5:
+                successes += 1
+                modes.update(attack["modes"])
+    return {"found_modes": len(modes), "found_successes": successes}
+
+
+def add_found_in_training(results: dict, directories: list[Path]) -> None:
+    """`found_in_training` of every run whose directory (`<dir>/<method>/seed<N>`) is here."""
+    for name, entry in results.items():
+        for seed, run in entry["runs"].items():
+            for directory in directories:
+                path = directory / name / f"seed{seed}" / "attacks.jsonl"
+                if path.exists():
+                    run |= found_in_training(path)
+
+
 def print_metrics(results: dict) -> None:
-    """Every metric at the end of the runs: mean ± std over seeds."""
-    print("\n| method | " + " | ".join(COLUMNS.values()) + " | steps |")
-    print("|---|" + "---|" * (len(COLUMNS) + 1))
+    """Every metric at the end of the runs, and what the searchers found: mean ± std over
+    seeds."""
+    print("\n| method | " + " | ".join(COLUMNS.values()) + " | steps | modes found in training "
+          "| successful attacks found |")  # fmt: skip
+    print("|---|" + "---|" * (len(COLUMNS) + 3))
     for entry in results.values():
         runs = list(entry["runs"].values())
-        ends = [run["curve"][-1]["metrics"] for run in runs]
+        ends = [run["curve"][-1]["metrics"] | run for run in runs]
         cells = []
-        for key in COLUMNS:
+        for key in [*COLUMNS, "steps", "found_modes", "found_successes"]:
             values = [end.get(key, float("nan")) for end in ends]
             spread = np.std(values, ddof=1) if len(values) > 1 else 0.0
-            fmt = ".0f" if key in ("eval_modes_covered", "eval_unique_successful") else ".3f"
+            fmt = {"eval_asr": ".3f", "eval_diversity": ".3f", "eval_diversity_successful": ".3f",
+                   "steps": ".0f"}.get(key, ".1f")
             cells.append(f"{np.mean(values):{fmt}} ± {spread:{fmt}}")
-        steps = np.mean([run.get("steps", 0) for run in runs])
-        print(f"| {entry['label']} | " + " | ".join(cells) + f" | {steps:.0f} |")
+        print(f"| {entry['label']} | " + " | ".join(cells) + " |")
     first = next(iter(results.values()))
     base = first["runs"][next(iter(first["runs"]))]["curve"][0]["metrics"]
     print("| attacker prior (before training) | " + " | ".join(
-        f"{base.get(key, float('nan')):.3f}" for key in COLUMNS) + " | 0 |")  # fmt: skip
+        f"{base.get(key, float('nan')):.3f}" for key in COLUMNS) + " | 0 | | |")  # fmt: skip
 
 
 def main() -> None:
@@ -102,12 +132,14 @@ def main() -> None:
     quiet_libraries()
     if args.report:
         results = merge_results(args.report)
+        add_found_in_training(results, args.report)
     else:
         methods = suites(args)[args.suite]
         if args.only:
             methods = {name: methods[name] for name in args.only.split(",")}
         results = {name: entry for name, entry in run_suite(methods, args).items()
                    if name in methods}  # fmt: skip
+        add_found_in_training(results, [args.out])
     finish(results, args, f"red-teaming: {args.suite} (ASR)", metric="ASR")
     print_metrics(results)
 

@@ -179,6 +179,13 @@ def always_one(prompts, completions, **columns):
     return [1.0] * len(completions)
 
 
+def test_search_settings_sample_at_the_searchers_temperature_when_set():
+    assert search_settings(load_config(None, [])).sample_temperature is None
+    overrides = ["policy.temperature=0.9", "searchers.temperature=1.5"]
+    explore = search_settings(load_config(None, overrides))
+    assert (explore.temperature, explore.sample_temperature) == (0.9, 1.5)
+
+
 @pytest.fixture
 def worker(tmp_path, tiny_model, tokenizer):
     tiny_model.save_pretrained(tmp_path / "policy")

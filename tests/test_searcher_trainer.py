@@ -56,6 +56,22 @@ def test_generate_tags_samples_and_matches_reference_at_version_zero(tiny_model,
     assert stats["gen_tokens"] == sum(len(s.response_ids) for s in samples)
 
 
+def test_an_exploration_temperature_changes_the_sampler_not_the_reference(tiny_model, tokenizer):
+    searcher = Searcher(
+        tiny_model, tokenizer, ROWS, [always_one], settings(sample_temperature=2.0), seed=0
+    )
+    samples, _ = searcher.generate(num_prompts=2)
+    prompts = [s.prompt_ids for s in samples]
+    responses = [s.response_ids for s in samples]
+    pad = tokenizer.pad_token_id
+    at_one = sequence_logprobs(tiny_model, prompts, responses, pad_id=pad, temperature=1.0)
+    at_two = sequence_logprobs(tiny_model, prompts, responses, pad_id=pad, temperature=2.0)
+    # TB's target uses pi_ref at the policy's temperature; the behaviour log-prob is the sampler's.
+    assert [s.ref_logp for s in samples] == pytest.approx(at_one.tolist(), abs=1e-4)
+    assert [s.behaviour_logp for s in samples] == pytest.approx(at_two.tolist(), abs=1e-4)
+    assert not torch.allclose(at_one, at_two)
+
+
 def test_truncated_responses_can_be_dropped(tiny_model, tokenizer):
     searcher = Searcher(
         tiny_model, tokenizer, ROWS, [always_one], settings(max_new_tokens=1, truncated="drop")

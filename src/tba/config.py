@@ -335,6 +335,10 @@ class SearchersConfig(Section):
         None, ge=1, description="prompts per generation batch of each searcher (async), or "
         "generated per step in all (sync) (default: B)",
     )
+    temperature: float | None = Field(
+        None, gt=0, description="sampling temperature of the searchers, for exploration "
+        "(default: policy.temperature); the losses still take log-probs at policy.temperature",
+    )
     max_unsent_samples: int = Field(
         4096, ge=1, description="async: a searcher pauses while this many of its samples "
         "wait for the trainer",

@@ -29,13 +29,16 @@ from tba.tasks import RewardFn
 @dataclass
 class SearchSettings:
     samples_per_prompt: int
-    temperature: float
+    temperature: float  # of the policy: the log-probs of the reference are taken at it
     max_new_tokens: int
     truncated: str  # "penalize" or "drop"
     truncation_penalty: float
     chat_template: bool = False  # prompts wrapped in the tokenizer's chat template
     reward_timeout_s: float = 60.0
     max_reward_failures: int = 5
+    # Exploration: the searcher samples at this temperature instead (None: `temperature`). The
+    # samples' behaviour log-probs are the sampler's, at this temperature.
+    sample_temperature: float | None = None
 
 
 class PromptStream:
@@ -121,7 +124,7 @@ class Searcher:
             eos_id=self.tokenizer.eos_token_id,
             pad_id=self.tokenizer.pad_token_id,
             max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
+            temperature=s.sample_temperature or s.temperature,
             generator=self.generator,
         )
         completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)

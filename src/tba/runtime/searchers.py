@@ -47,6 +47,7 @@ def search_settings(config: RunConfig) -> SearchSettings:
         reward_timeout_s=config.searchers.reward_timeout_s,
         max_reward_failures=config.searchers.max_reward_failures,
         chat_template=config.policy.chat_template,
+        sample_temperature=config.searchers.temperature,
     )
 
 
