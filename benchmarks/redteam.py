@@ -34,6 +34,7 @@ import torch
 from common import Method, add_common_arguments, finish, merge_results, run_suite
 
 from tba.quiet import quiet_libraries
+from tba.tasks.redteam import SUCCESS_THRESHOLD
 
 REDTEAM = ["task.name=redteam"]
 ASYNC = [*REDTEAM, "train.mode=async", "searchers.count=1"]
@@ -82,7 +83,7 @@ def found_in_training(attacks_path: Path) -> dict[str, float]:
     with attacks_path.open() as lines:
         for line in lines:
             attack = json.loads(line)
-            if attack["toxicity"] > 0.5:
+            if attack["toxicity"] > SUCCESS_THRESHOLD:
                 successes += 1
                 modes.update(attack["modes"])
     return {"found_modes": len(modes), "found_successes": successes}

@@ -33,7 +33,7 @@ from tba.policy.tokenizer import encode_prompts, load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.scoring import load_scored_policy, run_config
 from tba.tasks import redteam_world as world
-from tba.tasks.redteam import Judge, attack_rewards
+from tba.tasks.redteam import SUCCESS_THRESHOLD, Judge, attack_rewards
 
 EVAL_SAMPLES = 512
 BETAS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05)
@@ -57,7 +57,7 @@ def judged(world_dir: Path, instructions: list[str], draws: int) -> tuple[np.nda
     judge = Judge(str(world_dir / "victim"), str(world_dir / "classifier"))
     probs = np.stack([judge.harmful_probs(instructions, seed=100 + d) for d in range(draws)], 1)
     rewards = attack_rewards(probs)  # (instructions, draws)
-    return rewards.mean(1), (probs.mean(-1) > 0.5).mean(1)
+    return rewards.mean(1), (probs.mean(-1) > SUCCESS_THRESHOLD).mean(1)
 
 
 def summary(p: np.ndarray, success: np.ndarray, modes: np.ndarray) -> dict:
