@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -166,6 +167,18 @@ def test_generate_restores_training_mode(tiny_model, tokenizer, prompts):
     tiny_model.train()
     sample(tiny_model, prompts, tokenizer, max_new_tokens=2)
     assert tiny_model.training
+
+
+def test_kv_cache_is_passed_without_deprecation_warnings(tiny_model, tokenizer, prompts):
+    """transformers renamed `past_key_values` to `cache`; neither sampling nor log-probs may
+    warn about it on any version we support."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sample(tiny_model, prompts, tokenizer, max_new_tokens=3)
+        sequence_logprobs(tiny_model, prompts, out.response_ids, pad_id=tokenizer.pad_token_id)
+    deprecations = [str(w.message) for w in caught
+                    if issubclass(w.category, FutureWarning | DeprecationWarning)]  # fmt: skip
+    assert not [m for m in deprecations if "past_key_values" in m or "cache" in m], deprecations
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])

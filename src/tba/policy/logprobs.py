@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tba.policy.batching import left_pad, right_pad, unique_prompts
+from tba.policy.kv_cache import cache_argument, returned_cache
 from tba.policy.model import is_checkpointing
 
 
@@ -87,15 +88,15 @@ def _response_logits_sharing_prompts(
         input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
         use_cache=True,
     )  # fmt: skip
-    cache = prompt_out.past_key_values
+    cache = returned_cache(prompt_out)
     cache.batch_select_indices(index)  # each response gets its prompt's keys and values
     offsets = torch.arange(response_ids.size(1), device=response_ids.device)
     response_out = model(
         input_ids=response_ids,
         attention_mask=torch.cat([prompt_mask[index], response_mask], dim=1),
         position_ids=prompt_positions[index, -1:] + 1 + offsets,
-        past_key_values=cache,
         use_cache=True,
+        **cache_argument(model, cache),
     )
     # The prompt's last logits predict the first response token; each response position the next.
     return torch.cat([prompt_out.logits[index, -1:], response_out.logits[:, :-1]], dim=1)

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tba.policy.batching import left_pad, unique_prompts
+from tba.policy.kv_cache import cache_argument, returned_cache
 
 
 @dataclass
@@ -44,7 +45,7 @@ def generate(
     # Each distinct prompt is encoded once; its KV cache is then copied to each of its samples.
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     index = torch.tensor(rows, device=device)
-    cache, logits = out.past_key_values, out.logits[index, -1]
+    cache, logits = returned_cache(out), out.logits[index, -1]
     cache.batch_select_indices(index)
     mask, next_position = mask[index], positions[index, -1] + 1
 
@@ -72,10 +73,10 @@ def generate(
             input_ids=token[:, None],
             attention_mask=mask,
             position_ids=next_position[:, None],
-            past_key_values=cache,
             use_cache=True,
+            **cache_argument(model, cache),
         )
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        cache, logits = returned_cache(out), out.logits[:, -1]
         next_position = next_position + 1
     model.train(was_training)
 
