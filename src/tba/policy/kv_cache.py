@@ -14,11 +14,11 @@ from typing import Any
 from transformers import PreTrainedModel
 
 
-def cache_argument(model: PreTrainedModel, cache: Any) -> dict[str, Any]:
-    """`{name: cache}` under the name this model's forward takes its KV cache by."""
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The name this model's forward takes its KV cache by (read once per call site, not per
+    token: `inspect.signature` is not free)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    parameters = inspect.signature(base.forward).parameters
-    return {"cache" if "cache" in parameters else "past_key_values": cache}
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def returned_cache(output: Any) -> Any:

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tba.policy.batching import left_pad, right_pad, unique_prompts
-from tba.policy.kv_cache import cache_argument, returned_cache
+from tba.policy.kv_cache import cache_keyword, returned_cache
 from tba.policy.model import is_checkpointing
 
 
@@ -96,7 +96,7 @@ def _response_logits_sharing_prompts(
         attention_mask=torch.cat([prompt_mask[index], response_mask], dim=1),
         position_ids=prompt_positions[index, -1:] + 1 + offsets,
         use_cache=True,
-        **cache_argument(model, cache),
+        **{cache_keyword(model): cache},
     )
     # The prompt's last logits predict the first response token; each response position the next.
     return torch.cat([prompt_out.logits[index, -1:], response_out.logits[:, :-1]], dim=1)

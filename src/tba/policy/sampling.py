@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tba.policy.batching import left_pad, unique_prompts
-from tba.policy.kv_cache import cache_argument, returned_cache
+from tba.policy.kv_cache import cache_keyword, returned_cache
 
 
 @dataclass
@@ -48,6 +48,7 @@ def generate(
     cache, logits = returned_cache(out), out.logits[index, -1]
     cache.batch_select_indices(index)
     mask, next_position = mask[index], positions[index, -1] + 1
+    cache_key = cache_keyword(model)
 
     n = len(prompts)
     tokens = torch.empty((n, 0), dtype=torch.long, device=device)
@@ -74,7 +75,7 @@ def generate(
             attention_mask=mask,
             position_ids=next_position[:, None],
             use_cache=True,
-            **cache_argument(model, cache),
+            **{cache_key: cache},
         )
         cache, logits = returned_cache(out), out.logits[:, -1]
         next_position = next_position + 1
