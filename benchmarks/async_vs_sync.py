@@ -8,8 +8,8 @@ and per seed), pass@1 at the end, the trainer's waiting fraction, how stale the 
 were, and how many groups were trained twice back to back; then the speed-up of each asynchronous
 mode over the synchronous one.
 
-    python benchmarks/async_vs_sync.py                        # 3 modes x 3 seeds x 8 minutes
-    python benchmarks/async_vs_sync.py --seeds 1 --minutes 2 --target 0.5
+    python -m benchmarks.async_vs_sync                        # 3 modes x 3 seeds x 8 minutes
+    python -m benchmarks.async_vs_sync --seeds 1 --minutes 2 --target 0.5
 
 The synchronous baseline runs its searcher inside the trainer process (`searchers.count=0`): on
 a 2-core machine that is its fastest setting (both cores for generation, then both for the
@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import Method, add_common_arguments, finish, merge_results, run_suite
 
+from benchmarks.common import Method, add_common_arguments, finish, merge_results, run_suite
 from tba.quiet import quiet_libraries
 
 MODES = {

@@ -24,9 +24,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tba import scoring
-from tba.base_policy import resolve_policy
+from tba import offline_eval
 from tba.config import load_config
+from tba.plots import Band, plot_bands
+from tba.tasks import resolve_policy
 
 
 class Point(NamedTuple):
@@ -124,7 +125,7 @@ def score_snapshots(run_dir: Path, num_eval: int) -> list[dict]:
     (`tba eval --snapshots`), with the evaluation set and seed of seed 0 for every run. Each
     point: minutes, step, fresh samples consumed, `value` (the task's headline metric; math:
     greedy pass@1) and every metric."""
-    return scoring.score_snapshots(run_dir, [f"task.num_eval={num_eval}", "seed=0"])
+    return offline_eval.score_snapshots(run_dir, [f"task.num_eval={num_eval}", "seed=0"])
 
 
 def run_summary(run_dir: Path) -> dict:
@@ -268,28 +269,10 @@ def plot(
 ) -> None:  # fmt: skip
     """The mean of the headline metric with a band of ± one standard deviation over seeds,
     against wall-clock minutes (left) and against fresh samples consumed (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    colors = plt.cm.tab20.colors if len(aggregates) > 10 else plt.cm.tab10.colors
-    for agg, color in zip(aggregates.values(), colors):
-        for ax, x in ((by_time, agg.grid), (by_samples, agg.samples / 1000)):
-            ax.plot(x, agg.mean, marker="o", markersize=2.5, color=color, label=agg.label)
-            ax.fill_between(x, agg.mean - agg.std, agg.mean + agg.std, color=color, alpha=0.15)
-    for ax in (by_time, by_samples):
-        ax.axhline(target, color="grey", linestyle=":", label="target")
-        ax.grid(alpha=0.3)
-    by_time.set_xlabel("wall-clock minutes of training")
-    by_samples.set_xlabel("fresh samples consumed (thousands)")
-    by_time.set_ylabel(f"{metric} (mean ± std over seeds)")
-    by_time.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_bands(
+        [Band(agg.label, agg.grid, agg.samples, agg.mean, agg.std) for agg in aggregates.values()],
+        path, target=target, title=title, ylabel=metric,
+    )  # fmt: skip
 
 
 def finish(

@@ -17,9 +17,9 @@ Suites (`--suite`):
     K         TB with K = 8, 16 and 32 responses per prompt at B * K = 128 samples per step
     trl       TRL's GRPOTrainer alone (use --minutes 30 to see whether it reaches the target)
 
-    python benchmarks/compare.py --suite stress                 # 5 methods x 3 seeds x 5 min
-    python benchmarks/compare.py --suite k --seeds 1 --minutes 2
-    python benchmarks/compare.py --report runs/compare_stress runs/compare_k --out runs/all
+    python -m benchmarks.compare --suite stress                 # 5 methods x 3 seeds x 5 min
+    python -m benchmarks.compare --suite k --seeds 1 --minutes 2
+    python -m benchmarks.compare --report runs/compare_stress runs/compare_k --out runs/all
 
 A restarted invocation with the same --out skips the runs it already finished. TRL needs the
 benchmark extra (`pip install -e ".[bench]"`).
@@ -32,8 +32,15 @@ import sys
 from pathlib import Path
 
 import torch
-from common import Method, add_common_arguments, finish, merge_results, run_logged, run_suite
 
+from benchmarks.common import (
+    Method,
+    add_common_arguments,
+    finish,
+    merge_results,
+    run_logged,
+    run_suite,
+)
 from tba.quiet import quiet_libraries
 
 ASYNC = ["train.mode=async", "searchers.count=1"]
@@ -44,7 +51,7 @@ PLAIN_TB = ["train.loss=tb", "train.trust_region=none"]
 def trl_method(learning_rate: float) -> Method:
     def run(run_dir: Path, seed: int, args: argparse.Namespace) -> None:
         command = [
-            sys.executable, str(Path(__file__).parent / "trl_grpo.py"), "--out", str(run_dir),
+            sys.executable, "-m", "benchmarks.trl_grpo", "--out", str(run_dir),
             "--minutes", str(args.minutes), "--learning-rate", str(learning_rate),
             "--snapshot-minutes", str(args.snapshot_minutes), "--seed", str(seed),
             f"policy.model={args.base}", *args.overrides,

@@ -10,8 +10,8 @@ Part 2, drift: train TB on fresh batches for up to `--max-stale` steps while kee
 batch aside; after s steps, the share of that batch's sequences (and tokens) whose importance
 ratio pi_theta / pi_behaviour lies outside [1 - eps, 1 + eps]: what a trust region would clip.
 
-    python benchmarks/grad_scale.py                  # 4 batches, drift up to 12 steps
-    python benchmarks/grad_scale.py --batches 8 train.learning_rate=1e-4
+    python -m benchmarks.grad_scale                  # 4 batches, drift up to 12 steps
+    python -m benchmarks.grad_scale --batches 8 train.learning_rate=1e-4
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import argparse
 import numpy as np
 import torch
 
-from tba.base_policy import resolve_policy
 from tba.config import load_config
+from tba.loop import build_trainer
+from tba.objectives import OBJECTIVES
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import load_policy
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
-from tba.runtime.searchers import search_settings
-from tba.searcher import Searcher
-from tba.tasks import load_task
-from tba.trainer import LOSSES
-from tba.training import build_trainer
+from tba.searcher import Searcher, SearchSettings
+from tba.tasks import load_task, resolve_policy
+
+LOSSES = tuple(OBJECTIVES)
 
 
 def flat_grad(trainer, groups, beta: float) -> torch.Tensor:
@@ -126,7 +126,7 @@ def main() -> None:
     task = load_task(config.task, seed=config.seed)
     searcher = Searcher(
         load_policy(str(policy_dir), "cpu"), tokenizer, task.train_rows, task.reward_fns,
-        search_settings(config), seed=config.seed,
+        SearchSettings.from_config(config), seed=config.seed,
     )  # fmt: skip
     batches = [to_groups(searcher.generate(config.train.num_prompts)[0])
                for _ in range(args.batches)]  # fmt: skip

@@ -11,19 +11,33 @@ randomly in a temporary directory. Every measurement runs in a fresh Python proc
 
 "after imports" is the same process before the model is loaded (Python, torch, transformers).
 
-    python benchmarks/memory.py                          # fp32 and bf16, LoRA rank 16 or none
-    python benchmarks/memory.py --dtypes float32 --lora-rank 8
+    python -m benchmarks.memory                          # fp32 and bf16, LoRA rank 16 or none
+    python -m benchmarks.memory --dtypes float32 --lora-rank 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tba.config import LoraConfig
+from tba.core import Sample
+from tba.policy.model import get_weights, load_policy
+from tba.policy.tokenizer import build_char_tokenizer, load_tokenizer
+from tba.searcher import Searcher, SearchSettings
+from tba.tasks.math.task import math_task
+from tba.tasks.verifiers.last_number import last_number_reward
+from tba.trainer import Trainer
 
 
 def rss_mib() -> float:
@@ -42,23 +56,15 @@ def peak_rss_mib() -> float:
 
 
 def lora_config(rank: int):
-    from tba.config import LoraConfig
-
     return LoraConfig(r=rank) if rank else None
 
 
 def task_rows(count: int) -> list[dict]:
-    from tba.tasks import build_task
-
-    return build_task("math", num_train=count, num_eval=1, seed=0).train_rows
+    return math_task(num_train=count, num_eval=1, seed=0).train_rows
 
 
 def fake_groups(tokenizer, num_prompts: int, group_size: int, length: int):
     """B groups of K responses of `length` tokens each, as the buffer would hand them over."""
-    import random
-
-    from tba.buffer import Sample
-
     rng = random.Random(0)
     rows = task_rows(num_prompts)
     groups = []
@@ -73,10 +79,6 @@ def fake_groups(tokenizer, num_prompts: int, group_size: int, length: int):
 
 
 def measure_trainer(args: argparse.Namespace) -> dict:
-    from tba.policy.model import load_policy
-    from tba.policy.tokenizer import load_tokenizer
-    from tba.trainer import Trainer
-
     imported = rss_mib()
     tokenizer = load_tokenizer(args.model_dir)
     model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank))
@@ -85,7 +87,7 @@ def measure_trainer(args: argparse.Namespace) -> dict:
     groups = fake_groups(tokenizer, args.num_prompts, args.group_size, args.length)
     for _ in range(args.steps):
         trainer.step(groups, beta=0.05)
-    weights, _ = trainer.publish()
+    weights, _ = trainer.next_version()
     return {
         "after_imports": imported,
         "peak": peak_rss_mib(),
@@ -96,13 +98,6 @@ def measure_trainer(args: argparse.Namespace) -> dict:
 
 
 def measure_searcher(args: argparse.Namespace) -> dict:
-    from safetensors.numpy import load_file
-
-    from tba.policy.model import load_policy
-    from tba.policy.tokenizer import load_tokenizer
-    from tba.searcher import Searcher, SearchSettings
-    from tba.tasks import math as math_task
-
     imported = rss_mib()
     tokenizer = load_tokenizer(args.model_dir)
     model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank))
@@ -110,7 +105,7 @@ def measure_searcher(args: argparse.Namespace) -> dict:
         samples_per_prompt=args.group_size, temperature=1.0, max_new_tokens=args.length,
         truncated="penalize", truncation_penalty=-1.0,
     )  # fmt: skip
-    searcher = Searcher(model, tokenizer, task_rows(64), [math_task.correctness_reward], settings)
+    searcher = Searcher(model, tokenizer, task_rows(64), [last_number_reward], settings)
     searcher.generate(args.num_prompts)
     searcher.set_weights(load_file(args.payload), version=1)
     searcher.generate(args.num_prompts)
@@ -119,11 +114,6 @@ def measure_searcher(args: argparse.Namespace) -> dict:
 
 def write_payload(args: argparse.Namespace) -> dict:
     """What a trainer publishes for this setting (weights nudged, so that a sync changes them)."""
-    import torch
-    from safetensors.numpy import save_file
-
-    from tba.policy.model import get_weights, load_policy
-
     model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank))
     with torch.no_grad():
         for p in model.parameters():
@@ -137,11 +127,6 @@ def write_payload(args: argparse.Namespace) -> dict:
 
 
 def create_model(directory: Path) -> int:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tba.policy.tokenizer import build_char_tokenizer
-
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(
         vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,

@@ -18,9 +18,9 @@ Methods, each at every beta of `--betas` and with the paper's anneal 1 -> 0.05 (
 The baselines run on the same asynchronous pipeline with k = 10, learning from the freshest
 samples (m = 1, replay uniform), as methods that expect on-policy data would.
 
-    python benchmarks/pareto.py              # 4 methods x 5 betas x 3 seeds x 5 min: ~6 hours
-    python benchmarks/pareto.py --only tb,rloo --betas 0.1,0.3 --seeds 1 --minutes 3
-    python benchmarks/pareto.py --report runs/pareto runs/pareto_more --x perplexity
+    python -m benchmarks.pareto              # 4 methods x 5 betas x 3 seeds x 5 min: ~6 hours
+    python -m benchmarks.pareto --only tb,rloo --betas 0.1,0.3 --seeds 1 --minutes 3
+    python -m benchmarks.pareto --report runs/pareto runs/pareto_more --x perplexity
 
 The plot goes to `--plot` (default docs/pareto.png); the Markdown table is printed.
 """
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import Method, add_common_arguments, finish, merge_results, run_suite
 
+from benchmarks.common import Method, add_common_arguments, finish, merge_results, run_suite
+from tba.plots import ErrorSeries, colors, plot_error_series
 from tba.quiet import quiet_libraries
 
 BASELINE_DATA = ["buffer.recent_prob=1.0", "buffer.reward_weight=0.0"]
@@ -102,37 +103,28 @@ def print_pareto_table(results: dict, points: dict, metric: str) -> None:
 def plot_fronts(results: dict, points: dict, metric: str, path: Path) -> None:
     """x = closeness, y = win rate; one line per method through its betas (sorted by x), the
     anneal as a star; error bars: one standard deviation over seeds on both axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for loss, color in zip(LOSSES, plt.cm.tab10.colors):
+    series = []
+    for loss, color in zip(LOSSES, colors(len(LOSSES))):
         constant = sorted(
             (x.mean(), y.mean(), _spread(x), _spread(y))
             for name, (x, y) in points.items()
             if name.startswith(f"{loss}@") and not name.endswith("@anneal")
         )
         if constant:
-            xs, ys, xerr, yerr = map(np.array, zip(*constant))
-            ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, marker="o", color=color, capsize=3,
-                        label=LOSSES[loss][0])  # fmt: skip
+            series.append(ErrorSeries(LOSSES[loss][0], constant, color=color, marker="o"))
         if f"{loss}@anneal" in points:
             x, y = points[f"{loss}@anneal"]
-            ax.errorbar([x.mean()], [y.mean()], xerr=[_spread(x)], yerr=[_spread(y)], marker="*",
-                        markersize=12, color=color, capsize=3, linestyle="none",
-                        label=f"{LOSSES[loss][0].split(' (')[0]}, beta 1 -> 0.05")  # fmt: skip
+            series.append(ErrorSeries(
+                f"{LOSSES[loss][0].split(' (')[0]}, beta 1 -> 0.05",
+                [(x.mean(), y.mean(), _spread(x), _spread(y))],
+                color=color, marker="*", line=False,
+            ))  # fmt: skip
     base = sft_metrics(results)
-    ax.scatter([base[metric]], [base["eval_win_rate"]], color="black", marker="s", label="SFT")
-    ax.set_xlabel(AXIS_LABELS[metric])
-    ax.set_ylabel("win rate against the references (gold judge)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_error_series(
+        series, path, xlabel=AXIS_LABELS[metric],
+        ylabel="win rate against the references (gold judge)",
+        reference=("SFT", base[metric], base["eval_win_rate"]),
+    )  # fmt: skip
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ Suites (`--suite`):
               batches and trains on one, fresh samples first)
     logz      TB with VarGrad's log Z against a learned one
 
-    python benchmarks/redteam.py --suite compare              # 6 methods x 3 seeds x 6 min
-    python benchmarks/redteam.py --suite scaling --steps 200
+    python -m benchmarks.redteam --suite compare              # 6 methods x 3 seeds x 6 min
+    python -m benchmarks.redteam --suite scaling --steps 200
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import Method, add_common_arguments, finish, merge_results, run_suite
 
+from benchmarks.common import Method, add_common_arguments, finish, merge_results, run_suite
 from tba.quiet import quiet_libraries
-from tba.tasks.redteam import SUCCESS_THRESHOLD
+from tba.tasks.redteam.task import SUCCESS_THRESHOLD
 
 REDTEAM = ["task.name=redteam"]
 ASYNC = [*REDTEAM, "train.mode=async", "searchers.count=1"]

@@ -13,8 +13,8 @@ target's successful attacks. With `--runs`, it gives the same for the final atta
 each run (its exact distribution over the grammar), with its mass on the grammar and its KL to
 the target of the run's own beta, both directions.
 
-    python benchmarks/redteam_target.py                          # the target at betas 1 .. 0.05
-    python benchmarks/redteam_target.py --runs runs/redteam/tb/seed0 runs/redteam/rloo/seed0
+    python -m benchmarks.redteam_target                          # the target at betas 1 .. 0.05
+    python -m benchmarks.redteam_target --runs runs/redteam/tb/seed0 runs/redteam/rloo/seed0
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tba.base_policy import redteam_world_dir
 from tba.config import PretrainConfig
+from tba.offline_eval import load_scored_policy, run_config
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import load_model
 from tba.policy.tokenizer import encode_prompts, load_tokenizer
 from tba.quiet import quiet_libraries
-from tba.scoring import load_scored_policy, run_config
-from tba.tasks import redteam_world as world
-from tba.tasks.redteam import SUCCESS_THRESHOLD, Judge, attack_rewards
+from tba.tasks.redteam import build as redteam_build
+from tba.tasks.redteam import world
+from tba.tasks.redteam.task import SUCCESS_THRESHOLD, Judge, attack_rewards
 
 EVAL_SAMPLES = 512
 BETAS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05)
@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     quiet_libraries()
-    world_dir = redteam_world_dir(PretrainConfig())
+    world_dir = redteam_build.world_dir(PretrainConfig())
     instructions = world.grammar()
     modes = np.zeros((len(instructions), len(world.MODES)))
     for i, attack in enumerate(instructions):

@@ -22,8 +22,8 @@ and trains on one:
 It assumes learning per fresh sample stays what it was at N = 1 (staleness grows with N; the
 asynchronous rows above show how much it costs here) and ignores weight-sync time.
 
-    python benchmarks/scaling.py                      # sync + N = 1..cores, 3 seeds x 6 min
-    python benchmarks/scaling.py --seeds 1 --minutes 2
+    python -m benchmarks.scaling                      # sync + N = 1..cores, 3 seeds x 6 min
+    python -m benchmarks.scaling --seeds 1 --minutes 2
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import os
 
 import numpy as np
 import torch
-from common import (
+
+from benchmarks.common import (
     Aggregate,
     Method,
     add_common_arguments,
@@ -42,10 +43,9 @@ from common import (
     minutes_text,
     run_suite,
 )
-
 from tba.config import load_config
 from tba.quiet import quiet_libraries
-from tba.rundir import read_metrics
+from tba.run_dir import read_metrics
 
 
 def searcher_counts(cores: int) -> list[int]:

@@ -11,8 +11,8 @@ checks) and from the final checkpoint's buffer:
     handed over = merged + duplicated                  (duplicated must be 0)
     lost: handed over but never merged                 (must be 0)
 
-    python benchmarks/soak.py                   # 20 minutes
-    python benchmarks/soak.py --minutes 6 --kill-every 1.5
+    python -m benchmarks.soak                   # 20 minutes
+    python -m benchmarks.soak --minutes 6 --kill-every 1.5
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ generation budget as `tba train`, but every update made by TRL. Like the project
 never pauses to evaluate; it saves the policy weights every `--snapshot-minutes` of training time,
 and the caller scores the snapshots afterwards (step 0 holds the base weights).
 
-    python benchmarks/trl_grpo.py --out runs/trl --minutes 8 --learning-rate 5e-5
-    python benchmarks/trl_grpo.py --out runs/trl2 --minutes 2 --learning-rate 1e-4 train.beta=0.02
+    python -m benchmarks.trl_grpo --out runs/trl --minutes 8 --learning-rate 5e-5
+    python -m benchmarks.trl_grpo --out runs/trl2 --minutes 2 --learning-rate 1e-4 train.beta=0.02
 
 Trailing `key=value` arguments are `tba` config overrides; the flags win over them.
 
@@ -78,12 +78,14 @@ from transformers import (
 )
 from trl import GRPOConfig, GRPOTrainer
 
-from tba.base_policy import resolve_policy
 from tba.config import ConfigError, RunConfig, dump_config, load_config
+from tba.core import RewardFn, Task
 from tba.policy.model import get_weights, load_model, resolve_device
 from tba.quiet import quiet_libraries
-from tba.rundir import MetricsLog, save_snapshot
-from tba.tasks import RewardFn, Task, build_task
+from tba.rewards.scorer import total_rewards
+from tba.run_dir import MetricsLog, save_snapshot
+from tba.tasks import resolve_policy
+from tba.tasks.math.task import math_task
 
 # A step budget no run reaches: the wall clock ends training (TimeBudget below).
 MAX_STEPS = 10**9
@@ -124,6 +126,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     for name, present in unsupported.items():
         if present:
             raise ConfigError(f"{name} has no TRL GRPOTrainer counterpart in this benchmark")
+    if config.task.name != "math":
+        raise ConfigError(f"task.name={config.task.name}: this benchmark runs the math task only")
     return config
 
 
@@ -152,7 +156,7 @@ def make_reward(
         # TRL adds its own kwargs (trainer_state, log_metric, ...); the task sees its columns only.
         data = {key: kwargs[key] for key in columns}
         parts = [fn(prompts, completions, **data) for fn in reward_fns]
-        totals: list[float | None] = [float(sum(values)) for values in zip(*parts)]
+        totals: list[float | None] = list(total_rewards(parts))
         for i, ids in enumerate(completion_ids):
             if not ids or ids[-1] != eos_id:  # no EOS within max_completion_length
                 totals[i] = penalty if penalize else None
@@ -351,10 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, print)
-    task = build_task(
-        config.task.name, num_train=config.task.num_train, num_eval=config.task.num_eval,
-        seed=config.seed,
-    )  # fmt: skip
+    task = math_task(
+        num_train=config.task.num_train, num_eval=config.task.num_eval, seed=config.seed
+    )
 
     counter = CompletionCounter()
     trainer = make_trainer(config, task, policy_dir, run_dir, counter)

@@ -8,8 +8,8 @@ the idle run), the machine's load average over that window, the searcher's rate 
 (rate divided by its fair share of the cores, cores / max(cores, load average)), the staleness of
 the trained samples, and the lowest and last held-out pass@1 against the base.
 
-    python benchmarks/under_load.py                  # 2 x 6 minutes
-    python benchmarks/under_load.py --minutes 3 --load-after 0.5
+    python -m benchmarks.under_load                  # 2 x 6 minutes
+    python -m benchmarks.under_load --minutes 3 --load-after 0.5
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import base_policy, run_tba, score_snapshots
 
+from benchmarks.common import base_policy, run_tba, score_snapshots
 from tba.quiet import quiet_libraries
-from tba.rundir import read_metrics
+from tba.run_dir import read_metrics
 
 TESTS = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_buffer.py",
          "tests/test_objectives.py", "tests/test_baselines.py", "tests/test_policy.py",

@@ -9,7 +9,7 @@ import argparse
 import re
 
 from tba import TBAConfig, TBATrainer
-from tba.tasks.math import format_prompt, problems
+from tba.tasks.math.world import format_prompt, problems
 
 
 def correctness(prompts, completions, answer, **kwargs):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tba.rundir import read_metrics
+from tba.run_dir import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from tba.buffer import ReplayBuffer, Sample
+from tba.buffer import ReplayBuffer
+from tba.core import Sample
 
 _counter = itertools.count()
 

@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel
 
 from tba.cli import main
-from tba.config import ConfigError, RunConfig, dump_config, load_config
+from tba.config import ConfigError, RunConfig, dump_config, load_config, reference_page
 
 
 @pytest.fixture
@@ -315,14 +315,24 @@ def _leaf_fields(model: type[BaseModel], prefix: str = ""):
 
 def test_config_reference_lists_every_setting(capsys):
     assert main(["config", "--reference"]) == 0
-    rows = capsys.readouterr().out.strip().splitlines()
+    # The settings' table rows of the page (docs/configuration.md), under its section headings.
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
     keys = [key for key, _ in _leaf_fields(RunConfig)]
+    # The top-level settings come first, then each section's.
+    keys = [key for key in keys if "." not in key] + [key for key in keys if "." in key]
     assert [row.split("`")[1] for row in rows] == keys
     assert all(row.count("|") == 4 and not row.endswith("|  |") for row in rows)
 
 
-def test_readme_documents_every_setting_with_its_default():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_the_configuration_reference_documents_every_setting_with_its_default():
+    reference = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     for key, default in _leaf_fields(RunConfig):
         shown = "null" if default is None else default
-        assert f"| `{key}` | `{shown}` |" in readme, key
+        assert f"| `{key}` | `{shown}` |" in reference, key
+
+
+def test_the_configuration_reference_is_current():
+    reference = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    assert reference == reference_page(), (
+        "docs/configuration.md is out of date: `tba config --reference > docs/configuration.md`"
+    )

@@ -11,13 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from peft import LoraConfig
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tba import TBAConfig, TBATrainer
 from tba.cli import main
 from tba.config import ConfigError, load_config
+from tba.errors import DatasetError
 from tba.policy.tokenizer import build_char_tokenizer, encode_prompts
-from tba.rewards import as_reward_inputs
-from tba.rundir import read_metrics
+from tba.rewards.scorer import as_reward_inputs
+from tba.run_dir import read_metrics
 from tba.tasks import load_task
 from tba.tasks.custom import (
     SummedReward,
@@ -26,8 +29,7 @@ from tba.tasks.custom import (
     prepare_rows,
     reward_functions,
 )
-from tba.tasks.data import DatasetError
-from tba.tasks.math import correctness_reward
+from tba.tasks.verifiers.last_number import last_number_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARDS = '''
@@ -67,16 +69,17 @@ def policy_dir(tmp_path, tiny_model, tokenizer) -> Path:
 
 
 def test_functions_import_from_a_module_or_a_file(tmp_path):
-    assert import_function("tba.tasks.math:correctness_reward") is correctness_reward
+    spec = "tba.tasks.verifiers.last_number:last_number_reward"
+    assert import_function(spec) is last_number_reward
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     function = import_function(f"{tmp_path / 'my_rewards.py'}:length_reward")
     assert function(["p"], ["abc"], target=[5]) == [-0.2]
     with pytest.raises(ConfigError, match="not `module:function`"):
-        import_function("tba.tasks.math")
+        import_function("tba.tasks.verifiers.last_number")
     with pytest.raises(ConfigError, match="cannot import 'no_such_module'"):
         import_function("no_such_module:f")
     with pytest.raises(ConfigError, match="has no function 'nothing'"):
-        import_function("tba.tasks.math:nothing")
+        import_function("tba.tasks.verifiers.last_number:nothing")
 
 
 def test_a_function_from_a_file_reaches_a_process_that_cannot_import_the_file(tmp_path):
@@ -185,8 +188,8 @@ def test_without_held_out_rows_the_first_training_prompts_are_evaluated():
     task = custom_task(rows, None, [lambda p, c, **k: [0.0] * len(c)], num_eval=3)
     assert [r["prompt"] for r in task.eval_rows] == ["p0", "p1", "p2"]
     assert task.metrics == ("eval_reward",) and task.evaluate is not None
-    task = custom_task(rows, rows[:2], [correctness_reward], eval_func=correctness_reward)
-    assert task.correct_fn is correctness_reward and task.metrics == ("eval_pass@1",)
+    task = custom_task(rows, rows[:2], [last_number_reward], eval_func=last_number_reward)
+    assert task.correct_fn is last_number_reward and task.metrics == ("eval_pass@1",)
 
 
 def test_cli_custom_task_trains_on_a_file_with_a_reward_file_and_tensorboard(tmp_path, policy_dir):
@@ -203,8 +206,6 @@ def test_cli_custom_task_trains_on_a_file_with_a_reward_file_and_tensorboard(tmp
     records = read_metrics(run_dir / "metrics.jsonl")
     assert "eval_reward" in records[0] and records[-1]["step"] == 3
     assert all(r["reward_mean"] <= 0 for r in records if "reward_mean" in r)
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     losses = board.Scalars("loss")
@@ -235,10 +236,10 @@ def test_tba_trainer_takes_a_loaded_model_callables_and_rows(tmp_path, tiny_mode
 def test_tba_trainer_resumes_a_run_it_started(tmp_path, policy_dir):
     rows = [{"prompt": f"Q{i}\n", "answer": "1"} for i in range(8)]
     config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
-    TBATrainer(str(policy_dir), correctness_reward, rows, args=config).train()
+    TBATrainer(str(policy_dir), last_number_reward, rows, args=config).train()
     run_dir = f"output_dir={tmp_path / 'run'}"
     longer = TBAConfig.from_overrides([*SYNC, "train.max_steps=5", run_dir])
-    results = TBATrainer(str(policy_dir), correctness_reward, rows, args=longer).train(
+    results = TBATrainer(str(policy_dir), last_number_reward, rows, args=longer).train(
         resume_from_checkpoint=True
     )
     assert results["steps"] == 5
@@ -247,10 +248,8 @@ def test_tba_trainer_resumes_a_run_it_started(tmp_path, policy_dir):
 
 
 def test_tba_trainer_maps_a_peft_config_to_lora(tmp_path, policy_dir):
-    from peft import LoraConfig
-
     peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj"])
-    trainer = TBATrainer(model=str(policy_dir), reward_funcs=[correctness_reward],
+    trainer = TBATrainer(model=str(policy_dir), reward_funcs=[last_number_reward],
                          train_dataset=[{"prompt": "Q\n", "answer": "1"}],
                          args=TBAConfig(output_dir=str(tmp_path / "run")),
                          peft_config=peft_config)  # fmt: skip

@@ -8,16 +8,22 @@ import json
 import pickle
 from pathlib import Path
 
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from tba.cli import main
 from tba.config import ConfigError, TaskConfig, load_config
+from tba.errors import DatasetError
 from tba.policy.tokenizer import build_char_tokenizer
-from tba.tasks import competition_math as cm
-from tba.tasks import gsm8k, load_task
-from tba.tasks.build import dataset_task
-from tba.tasks.data import DatasetError
-from tba.tasks.tldr import RewardModel
+from tba.rewards.models import RewardModel
+from tba.tasks import load_task
+from tba.tasks.dataset_tasks import dataset_task
+from tba.tasks.verifiers import boxed as cm
+from tba.tasks.verifiers import gsm8k
 
 # Rows in GSM8K's format: a word problem, and a worked answer with calculator annotations that
 # ends with "#### <final answer>".
@@ -62,8 +68,6 @@ RHO1B_PROMPT = "[MATH_TASK] Problem:\n{}\n\nSolution:"
 @pytest.fixture(autouse=True)
 def datasets_cache(tmp_path, monkeypatch):
     """`datasets` caches what it reads; keep that out of the user's cache."""
-    import datasets
-
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
@@ -73,9 +77,6 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def write_parquet(path: Path, rows: list[dict]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -387,9 +388,6 @@ def test_competition_math_rows_and_reward(tmp_path):
 @pytest.fixture
 def reward_model_dir(tmp_path, tokenizer):
     """A tiny sequence-classification reward model with the character tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
@@ -422,14 +420,8 @@ def test_tldr_reward_model_scores_and_pickles_without_its_weights(tmp_path, rewa
     batched = RewardModel(str(reward_model_dir), device="cpu", batch_size=2)
     assert batched(prompts, [" keys gone", " cat naps"]) == pytest.approx(scores, abs=1e-5)
     copy = pickle.loads(pickle.dumps(reward))
-    assert copy._model is None and reward._model is not None  # the copy loads its own
+    assert copy.model._value is None and reward.model._value is not None  # the copy loads its own
     assert copy(prompts, [" keys gone", " cat naps"]) == pytest.approx(scores)
-    # The held-out "pass@1" is the win rate against the reference summary.
-    references = [row["reference"] for row in task.eval_rows]
-    assert task.correct_fn(prompts, references, reference=references) == [0.0, 0.0]  # ties lose
-    wins = task.correct_fn(prompts, [" keys gone", " cat naps"], reference=references)
-    ours, theirs = reward(prompts, [" keys gone", " cat naps"]), reward(prompts, references)
-    assert wins == [float(a > b) for a, b in zip(ours, theirs)]
 
 
 def test_a_reward_model_scores_conversations_through_its_chat_template(reward_model_dir):

@@ -9,13 +9,16 @@ import json
 import struct
 from pathlib import Path
 
+import matplotlib.image
 import pytest
+from wandb.proto.wandb_internal_pb2 import Record
 
-from tba import TBAConfig, TBATrainer, rundir
+from tba import TBAConfig, TBATrainer, plots
 from tba.cli import main
 from tba.config import ConfigError
+from tba.plots import metric_curve
 from tba.policy.model import build_tiny_llama
-from tba.rundir import metric_curve, read_metrics
+from tba.run_dir import read_metrics
 from tba.tracking import require_trackers
 
 FAST = ["train.mode=sync", "searchers.count=0", "train.num_prompts=2", "train.group_size=4",
@@ -122,8 +125,6 @@ def test_eval_snapshots_scores_the_base_and_every_snapshot_as_the_run_did(custom
 def wandb_records(path: Path) -> list:
     """The records of an offline W&B run file: a LevelDB-style log (32 KiB blocks; records of
     a 7-byte header, checksum, length and type, split across blocks) of protobuf `Record`s."""
-    from wandb.proto.wandb_internal_pb2 import Record
-
     data, block = path.read_bytes(), 32768
     assert data[:4] == b":W&B"
     records, position, pending = [], 7, b""
@@ -205,13 +206,13 @@ def test_a_tracker_without_its_package_is_one_line(monkeypatch, tmp_path, capsys
 def test_plot_draws_several_runs_on_one_figure(math_run, custom_run, tmp_path, capsys,
                                                monkeypatch):  # fmt: skip
     labels: list[list[str]] = []
-    plot_runs = rundir.plot_runs
+    plot_runs = plots.plot_runs
 
     def labelled(runs: dict, *args) -> None:
         labels.append(list(runs))
         plot_runs(runs, *args)
 
-    monkeypatch.setattr(rundir, "plot_runs", labelled)
+    monkeypatch.setattr(plots, "plot_runs", labelled)
     other = tmp_path / "other"
     other.mkdir()
     records = [{"step": 0, "time": 0.0, "eval_pass@1": 0.25},
@@ -224,8 +225,6 @@ def test_plot_draws_several_runs_on_one_figure(math_run, custom_run, tmp_path, c
     out = tmp_path / "plots" / "runs.png"
     assert main(["plot", str(math_run), str(other), "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"{out} (eval_pass@1 against minutes)"
-    import matplotlib.image
-
     image = matplotlib.image.imread(out)
     assert image.shape[0] > 300 and image.std() > 0.01  # a drawn figure, not a blank page
     # Each run's headline metric, one panel each; runs of the same name labelled by path.

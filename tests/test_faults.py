@@ -10,6 +10,7 @@ import ipaddress
 import json
 import math
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -20,14 +21,18 @@ import pytest
 import torch
 from test_train_e2e import FAST
 
-from tba.buffer import Sample
+import tba.checkpoint
+import tba.loop
 from tba.checkpoint import list_checkpoints, load_checkpoint
 from tba.cli import main
+from tba.config import load_config
+from tba.core import Sample
 from tba.errors import RewardError
-from tba.rewards import RewardScorer
-from tba.rundir import read_metrics
+from tba.rewards.scorer import RewardScorer
+from tba.run_dir import read_metrics
+from tba.runtime.ray_cluster import ray_session
 from tba.searcher import Searcher, SearchSettings
-from tba.tasks import math as math_task
+from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
 
 PROMPTS = ["p0", "p1", "p2", "p3"]
@@ -140,16 +145,14 @@ def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
 
 def _with_reward(monkeypatch, fn) -> None:
     """The run's task gains reward function `fn` next to its own."""
-    import tba.training
-
-    original = tba.training.load_task
+    original = tba.loop.load_task
 
     def load_task(*args, **kwargs):
         task = original(*args, **kwargs)
         task.reward_fns = [*task.reward_fns, fn]
         return task
 
-    monkeypatch.setattr(tba.training, "load_task", load_task)
+    monkeypatch.setattr(tba.loop, "load_task", load_task)
 
 
 def test_a_run_survives_a_flaky_reward_function(tmp_path, monkeypatch):
@@ -243,8 +246,6 @@ def test_an_existing_run_is_kept_unless_overwritten(tmp_path, capsys):
 
 
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    import tba.checkpoint
-
     real_save = tba.checkpoint.save_file
     saved = []
 
@@ -284,14 +285,12 @@ def test_the_verifier_never_evaluates_model_output(tmp_path, monkeypatch):
         "1e309",
         "9" * 5000,
     ]
-    results = math_task.correctness_reward(["q"] * len(hostile), hostile, ["4"] * len(hostile))
+    results = last_number_reward(["q"] * len(hostile), hostile, ["4"] * len(hostile))
     assert results == [0.0, 0.0, 1.0, 0.0, 0.0]
     assert not marker.exists()
 
 
 def test_checkpoints_hold_no_pickles(tmp_path, monkeypatch):
-    import pickle
-
     run_dir = tmp_path / "run"
     overrides = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
     assert main(["train", *overrides, "train.max_steps=1"]) == 0
@@ -311,9 +310,6 @@ def test_checkpoints_hold_no_pickles(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_local_ray_instance_listens_on_loopback_only():
-    from tba.config import load_config
-    from tba.runtime.ray_cluster import ray_session
-
     with ray_session(load_config(None, ["ray.num_cpus=1"])):
         addresses = listening_addresses(descendants(os.getpid()))
     assert addresses, "found no listening socket of the Ray processes"

@@ -14,8 +14,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import peft
 import pytest
 import torch
+from huggingface_hub import constants
+from peft.tuners.lora import LoraLayer
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -28,9 +31,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from tba.buffer import Sample
 from tba.cli import main
 from tba.config import ConfigError, LoraConfig, load_config
+from tba.core import Sample
 from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import (
     add_lora,
@@ -40,11 +43,12 @@ from tba.policy.model import (
     policy_state_dict,
     set_weights,
 )
+from tba.policy.sft import sft_loss
 from tba.policy.tokenizer import encode_prompts, load_tokenizer
-from tba.pretrain import sft_loss
-from tba.rundir import read_metrics
+from tba.run_dir import read_metrics
 from tba.searcher import Searcher, SearchSettings
-from tba.tasks import math as math_task
+from tba.tasks.math import world as math_world
+from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
 
 CHAT_TEMPLATE = (
@@ -75,8 +79,8 @@ FAST = [
 
 def task_texts(count: int = 300) -> tuple[list[str], list[str]]:
     """Prompts and short answers (`#### n`) of the embedded task."""
-    problems = math_task.problems("train", count, seed=0)
-    return [math_task.format_prompt(p.question) for p in problems], [
+    problems = math_world.problems("train", count, seed=0)
+    return [math_world.format_prompt(p.question) for p in problems], [
         f"#### {p.answer}" for p in problems
     ]
 
@@ -249,8 +253,6 @@ def test_lora_trains_adapters_and_leaves_the_rest_of_the_policy(tmp_path, model_
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # GPT-2's Conv1D stores weights transposed
 def test_lora_adapter_in_final_reproduces_the_merged_policy(tmp_path, model_dirs, arch):
-    import peft
-
     run_dir = train_run(tmp_path, model_dirs[arch], "lora.r=4", "train.max_steps=1")
     merged = load_model(str(run_dir / "final"), "cpu").eval()
     adapted = peft.PeftModel.from_pretrained(
@@ -287,8 +289,6 @@ def test_chat_template_without_one_in_the_tokenizer_is_a_clear_error(tmp_path, m
 @pytest.fixture
 def offline_hub_cache(tmp_path, monkeypatch) -> Path:
     """An empty Hugging Face Hub cache of this test's own, and no network (HF_HUB_OFFLINE=1)."""
-    from huggingface_hub import constants
-
     cache = tmp_path / "hub"
     cache.mkdir()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -476,18 +476,16 @@ def lora_pair(model_dirs):
     settings = SearchSettings(samples_per_prompt=4, temperature=1.0, max_new_tokens=6,
                               truncated="penalize", truncation_penalty=-1.0)  # fmt: skip
     searcher = Searcher(load_policy(path, "cpu", lora=lora), tokenizer, rows,
-                        [math_task.correctness_reward], settings)  # fmt: skip
+                        [last_number_reward], settings)  # fmt: skip
     return trainer, searcher, base_before, tokenizer
 
 
 def test_lora_sync_sends_only_adapter_tensors(model_dirs):
-    from peft.tuners.lora import LoraLayer
-
     trainer, searcher, base_before, tokenizer = lora_pair(model_dirs)
     # Training moved the adapters only: every base weight is bit for bit what it was.
     after = {n: t for n, t in trainer.model.state_dict().items() if "lora_" not in n}
     assert not changed(base_before, after)
-    weights, version = trainer.publish()
+    weights, version = trainer.next_version()
     adapted = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
     assert len(adapted) == 2 * 7  # 2 blocks x (q, k, v, o, gate, up, down)
     assert len(weights) == 2 * len(adapted)
@@ -515,7 +513,7 @@ def test_lora_sync_sends_only_adapter_tensors(model_dirs):
 
 def test_lora_searcher_samples_carry_base_model_reference_log_probs(model_dirs):
     trainer, searcher, _, tokenizer = lora_pair(model_dirs)
-    searcher.set_weights(*trainer.publish())
+    searcher.set_weights(*trainer.next_version())
     samples, _ = searcher.generate(num_prompts=1)
     base = load_model(str(model_dirs["llama"]), "cpu").eval()
     with torch.no_grad():

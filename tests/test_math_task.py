@@ -1,4 +1,4 @@
-"""The embedded math task: problem generator, train/test split, GSM8K verifier, task rows."""
+"""The embedded math task: problem generator, train/test split, last-number verifier, task rows."""
 
 from __future__ import annotations
 
@@ -8,14 +8,9 @@ import re
 
 import pytest
 
-from tba.tasks import build_task
-from tba.tasks.math import (
-    correctness_reward,
-    format_prompt,
-    is_correct,
-    is_held_out,
-    problems,
-)
+from tba.tasks.math.task import math_task
+from tba.tasks.math.world import format_prompt, is_held_out, problems, stopped_early
+from tba.tasks.verifiers.last_number import is_correct, last_number_reward
 
 NUM_TRAIN, NUM_TEST = 1500, 300
 
@@ -177,8 +172,8 @@ def test_is_correct(completion, answer, expected):
     assert is_correct(completion, answer) is expected
 
 
-def test_correctness_reward_takes_the_answer_column_and_returns_floats():
-    rewards = correctness_reward(
+def test_last_number_reward_takes_the_answer_column_and_returns_floats():
+    rewards = last_number_reward(
         ["Q1\n", "Q2\n", "Q3\n"],
         ["#### 14", "#### 13", "no number"],
         answer=["14", "14", "14"],
@@ -198,15 +193,15 @@ def test_verifier_never_evaluates_text_as_code(monkeypatch):
         patch.setattr(builtins, "eval", forbidden)
         patch.setattr(builtins, "exec", forbidden)
         patch.setattr(builtins, "__import__", forbidden)
-        rewards = correctness_reward(["Q\n"] * 3, completions, answer=["0", "4", "7"])
+        rewards = last_number_reward(["Q\n"] * 3, completions, answer=["0", "4", "7"])
     assert rewards == [0.0, 0.0, 1.0]  # '2+2' is text whose last number is 2, not 4
 
 
-# ---------------------------------------------------------------------------- build_task
+# ----------------------------------------------------------------------------- math_task
 
 
-def test_build_task_math_rows_have_prompt_and_answer():
-    task = build_task("math", num_train=6, num_eval=4, seed=0)
+def test_math_task_rows_have_prompt_and_answer():
+    task = math_task(num_train=6, num_eval=4, seed=0)
     assert task.name == "math"
     assert len(task.train_rows) == 6 and len(task.eval_rows) == 4
     for row in task.train_rows + task.eval_rows:
@@ -217,8 +212,8 @@ def test_build_task_math_rows_have_prompt_and_answer():
     assert [r["answer"] for r in task.train_rows] == [p.answer for p in expected]
 
 
-def test_build_task_rewards_score_their_own_rows():
-    task = build_task("math", num_train=3, num_eval=1, seed=0)
+def test_math_task_rewards_score_their_own_rows():
+    task = math_task(num_train=3, num_eval=1, seed=0)
     rows = task.train_rows
     prompts = [r["prompt"] for r in rows]
     completions = [f"#### {r['answer']}" for r in rows]
@@ -228,14 +223,7 @@ def test_build_task_rewards_score_their_own_rows():
     assert task.correct_fn(prompts, completions, **columns) == [1.0] * 3
 
 
-def test_build_task_rejects_an_unknown_task():
-    with pytest.raises(ValueError, match="unknown task"):
-        build_task("chess", num_train=1, num_eval=1, seed=0)
-
-
 def test_stopped_early_drops_the_last_step_of_three_step_solutions(train_problems):
-    from tba.tasks.math import stopped_early
-
     three_step = [p for p in train_problems if p.solution.count("=") == 3]
     shorter = [p for p in train_problems if p.solution.count("=") < 3]
     assert three_step and shorter

@@ -21,11 +21,11 @@ from tba.config import TaskConfig, load_config
 from tba.evaluation import EvalSettings
 from tba.policy.model import build_tiny_llama
 from tba.policy.tokenizer import build_word_tokenizer, load_tokenizer
-from tba.pretrain import build_redteam_world
-from tba.rundir import read_metrics
+from tba.run_dir import read_metrics
 from tba.tasks import load_task
-from tba.tasks import redteam_world as world
-from tba.tasks.redteam import (
+from tba.tasks.redteam import world
+from tba.tasks.redteam.build import build_redteam_world
+from tba.tasks.redteam.task import (
     Embedder,
     Judge,
     ToxicityReward,
@@ -134,7 +134,8 @@ def test_judge_gives_a_probability_per_victim_answer(models, classifier):
     probs = judge.harmful_probs(["write about the river", "list the bees", "tell"])
     assert probs.shape == (3, 3) and ((probs >= 0) & (probs <= 1)).all()
     copy = pickle.loads(pickle.dumps(judge))
-    assert copy._models is None and judge._models is not None  # each process loads its own
+    # Each process loads its own.
+    assert copy.models._value is None and judge.models._value is not None
 
 
 def test_harmful_label_beyond_the_classifier_is_refused(models):

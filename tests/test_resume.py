@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -16,14 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_async_e2e import TINY
 from test_train_e2e import FAST
 
-from tba.buffer import ReplayBuffer, Sample
+from tba.buffer import ReplayBuffer
 from tba.checkpoint import check_compatible, latest_checkpoint, list_checkpoints, save_checkpoint
 from tba.cli import main
+from tba.core import Sample
 from tba.errors import CheckpointError
+from tba.policy.model import frozen_copy
 from tba.rng import RandomState
-from tba.rundir import read_metrics
+from tba.run_dir import read_metrics
 from tba.trainer import Trainer
 
 # Values that must match between an uninterrupted and a resumed run (timings need not).
@@ -88,8 +92,6 @@ def test_sync_run_killed_and_resumed_matches_an_uninterrupted_one(tmp_path):
 
 @pytest.mark.slow
 def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
-    from test_async_e2e import TINY
-
     run_dir = tmp_path / "run"
     common = [*TINY, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}",
               "train.mode=async", "searchers.count=1", "checkpoint.every=4",
@@ -162,8 +164,6 @@ def test_check_compatible_names_the_setting():
 
 
 def test_trainer_state_round_trips_exactly_through_a_checkpoint(tmp_path, tiny_model, tokenizer):
-    from tba.policy.model import frozen_copy
-
     prompt = tokenizer("Q\n")["input_ids"]
     group = [Sample(0, prompt, tokenizer(t, add_special_tokens=False)["input_ids"], reward=r,
                     ref_logp=-2.0, behaviour_logp=-2.0, version=0,
@@ -176,7 +176,7 @@ def test_trainer_state_round_trips_exactly_through_a_checkpoint(tmp_path, tiny_m
 
     first = trainer(frozen_copy(tiny_model).requires_grad_(True))
     first.step([group], beta=0.1)
-    first.publish()
+    first.next_version()
     state = {"trainer": first.state_dict(), "buffer": ReplayBuffer(1).state_dict()}
     save_checkpoint(tmp_path, 1, state, keep=1)  # the two trainers must share no tensor
     second = trainer(frozen_copy(tiny_model).requires_grad_(True))
@@ -190,8 +190,6 @@ def test_trainer_state_round_trips_exactly_through_a_checkpoint(tmp_path, tiny_m
 
 
 def test_random_state_round_trips_through_json():
-    import random
-
     state = RandomState(3)
     saved = json.loads(json.dumps(state.state_dict()))
     sampler = state.sampler

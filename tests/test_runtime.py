@@ -10,13 +10,15 @@ import time
 import numpy as np
 import pytest
 
-from tba.buffer import ReplayBuffer, Sample
+from tba.buffer import ReplayBuffer
 from tba.config import load_config
+from tba.core import Sample
+from tba.loop import trainer_threads
 from tba.runtime.feed import make_feed
-from tba.runtime.searcher_worker import SearcherWorker
-from tba.runtime.searchers import search_settings, searcher_seed
+from tba.runtime.ray_actor import SearcherActor
+from tba.runtime.ray_pool import searcher_seed
+from tba.searcher import SearchSettings
 from tba.trainer import Trainer
-from tba.training import trainer_threads
 
 
 def sample(prompt_id: int, version: int, seq: int = 0, incarnation: int = 0) -> Sample:
@@ -48,7 +50,7 @@ class FakeSearchers:
         self.prompt = 0
         self.seq = 0
 
-    def publish(self, weights, version: int) -> None:
+    def offer_weights(self, weights, version: int) -> None:
         self.published.append(version)
 
     def start(self) -> None:
@@ -141,7 +143,7 @@ def test_staleness_bound_below_k_keeps_the_newest_weights():
 
 def test_feed_drops_duplicates_and_counts_gaps():
     feed, trainer, searchers, buffer = feed_for("train.mode=sync", "searchers.count=0")
-    trainer.publish()
+    trainer.next_version()
     feed._merge([sample(0, 1, seq) for seq in (0, 1, 2)], {})
     feed._merge([sample(0, 1, seq) for seq in (2, 3, 6)], {})  # 2 again; 4 and 5 never arrived
     feed._merge([sample(1, 1, 0, incarnation=1)], {})  # a restarted searcher numbers from 0
@@ -180,9 +182,9 @@ def always_one(prompts, completions, **columns):
 
 
 def test_search_settings_sample_at_the_searchers_temperature_when_set():
-    assert search_settings(load_config(None, [])).sample_temperature is None
+    assert SearchSettings.from_config(load_config(None, [])).sample_temperature is None
     overrides = ["policy.temperature=0.9", "searchers.temperature=1.5"]
-    explore = search_settings(load_config(None, overrides))
+    explore = SearchSettings.from_config(load_config(None, overrides))
     assert (explore.temperature, explore.sample_temperature) == (0.9, 1.5)
 
 
@@ -190,9 +192,10 @@ def test_search_settings_sample_at_the_searchers_temperature_when_set():
 def worker(tmp_path, tiny_model, tokenizer):
     tiny_model.save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
-    settings = search_settings(load_config(None, ["train.group_size=3", "policy.max_new_tokens=4"]))
+    config = load_config(None, ["train.group_size=3", "policy.max_new_tokens=4"])
+    settings = SearchSettings.from_config(config)
     rows = [{"prompt": f"Q{i}\n", "answer": str(i)} for i in range(5)]
-    worker = SearcherWorker(
+    worker = SearcherActor(
         str(tmp_path / "policy"), rows, [always_one], settings, searcher_id=1, seed=0,
         device="cpu", num_threads=1, weights_timeout_s=5,
     )  # fmt: skip

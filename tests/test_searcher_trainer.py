@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from tba.buffer import Sample
+from tba.core import Sample
 from tba.policy.logprobs import sequence_logprobs, token_logprobs
-from tba.policy.model import frozen_copy
+from tba.policy.model import build_tiny_llama, frozen_copy
 from tba.searcher import PromptStream, Searcher, SearchSettings
 from tba.trainer import Trainer
 
@@ -116,8 +116,6 @@ def test_one_tb_step_raises_the_rewarded_response(tiny_model, tokenizer, trust_r
 
 @pytest.mark.parametrize("trust_region", ["sequence", "none"])
 def test_micro_batches_give_the_same_gradient(tokenizer, trust_region):
-    from tba.policy.model import build_tiny_llama
-
     def model():
         return build_tiny_llama(
             len(tokenizer), pad_token_id=0, bos_token_id=1, eos_token_id=2,

@@ -15,23 +15,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from tba.base_policy import summarize_world_dir
 from tba.cli import main
 from tba.config import PretrainConfig, TaskConfig, load_config
 from tba.evaluation import EvalSettings
 from tba.policy.model import build_tiny_llama, load_model
-from tba.policy.tokenizer import build_word_tokenizer, load_tokenizer
-from tba.pretrain import (
-    build_summarize_world,
-    pairwise_accuracy,
-    ranked_pairs,
-    train_reward_model,
-)
-from tba.rundir import read_metrics
+from tba.policy.tokenizer import build_char_tokenizer, build_word_tokenizer, load_tokenizer
+from tba.rewards.models import RewardModel
+from tba.rewards.training import pairwise_accuracy, ranked_pairs, train_reward_model
+from tba.run_dir import read_metrics
 from tba.tasks import load_task
-from tba.tasks import summarize_world as world
 from tba.tasks.preference import closeness, decode, respond, win
-from tba.tasks.tldr import RewardModel
+from tba.tasks.summarize import world
+from tba.tasks.summarize.build import build_summarize_world, world_dir
 
 POST = "post : ana lost kite . it was windy . ben fixed lamp . cleo saw drum . park was busy . "
 POST += "tl;dr : "
@@ -127,7 +122,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def test_tiny_world_builds_policy_proxy_and_report(cache_dir):
-    root = summarize_world_dir(PretrainConfig(cache_dir=str(cache_dir)))
+    root = world_dir(PretrainConfig(cache_dir=str(cache_dir)))
     report = json.loads((root / "world.json").read_text())
     assert report["version"] == world.VERSION
     assert report["proxy_train_pairs"] > 0 and 0 <= report["proxy_held_out_accuracy"] <= 1
@@ -191,7 +186,7 @@ def test_summarize_task_evaluates_win_rate_rewards_and_closeness(cache_dir):
     task = load_task(config, seed=0, cache_dir=str(cache_dir))
     assert task.train_rows[0].keys() == {"prompt", "reference"}
     assert [r["prompt"] for r in task.eval_rows] == [p.prompt for p in world.posts("test", 12)]
-    policy_dir = summarize_world_dir(PretrainConfig(cache_dir=str(cache_dir))) / "policy"
+    policy_dir = world_dir(PretrainConfig(cache_dir=str(cache_dir))) / "policy"
     model, tokenizer = load_model(str(policy_dir), "cpu"), load_tokenizer(str(policy_dir))
     settings = EvalSettings(max_new_tokens=world.MAX_SUMMARY_WORDS, batch_size=8, seed=1)
     metrics = task.evaluate(model, tokenizer, settings)
@@ -205,7 +200,7 @@ def test_summarize_task_evaluates_win_rate_rewards_and_closeness(cache_dir):
             parameter.add_(0.05 * torch.randn_like(parameter))
     assert task.evaluate(model, tokenizer, settings)["eval_kl"] > 1e-4
     copy = pickle.loads(pickle.dumps(task.evaluate))
-    assert copy._reference_model is None and task.evaluate._reference_model is not None
+    assert copy.reference._value is None and task.evaluate.reference._value is not None
 
 
 def test_summarize_presets_apply_unless_set():
@@ -241,8 +236,6 @@ def test_a_short_summarize_run_on_the_tiny_world(tmp_path, cache_dir):
 def tldr_models(tmp_path_factory) -> dict[str, Path]:
     """A tiny random policy, reward model and gold judge with the character tokenizer, and a
     JSONL file of rows in the TL;DR dataset's format."""
-    from tba.policy.tokenizer import build_char_tokenizer
-
     root = tmp_path_factory.mktemp("tldr")
     tokenizer = build_char_tokenizer()
     paths = {"policy": root / "policy", "rm": root / "rm", "gold": root / "gold"}

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tba.base_policy import builtin_policy_dir
 from tba.cli import main
 from tba.config import load_config
 from tba.policy.model import load_model
-from tba.rundir import read_metrics
+from tba.run_dir import read_metrics
+from tba.tasks.math.build import cached_dir
 
 FAST = [
     "train.mode=sync",
@@ -64,7 +64,7 @@ def test_train_writes_a_complete_run_directory(tmp_path, fast_overrides):
 
 def test_base_policy_is_built_once_and_cached(tmp_path, fast_overrides):
     config = load_config(None, fast_overrides)
-    cached = builtin_policy_dir(config.pretrain, config.seed)
+    cached = cached_dir(config.pretrain, config.seed)
     assert main(["pretrain", *fast_overrides]) == 0
     assert (cached / "config.json").exists()
     built_at = (cached / "model.safetensors").stat().st_mtime

@@ -1,19 +1,15 @@
 """tba: Trajectory Balance with Asynchrony, fast off-policy RL post-training of language models.
 
-Building blocks: `tba.tasks` (prompts and rewards), `tba.policy` (models, sampling, log-probs),
-`tba.objectives` (losses as pure functions), `tba.buffer` (replay buffer), `tba.searcher`,
-`tba.trainer`, and `tba.training` which wires them for `tba train`. `TBATrainer` and `TBAConfig`
-(`tba.api`) are the TRL-shaped entry point for your own data and reward functions.
+`TBATrainer` and `TBAConfig` (`tba.api`) are the TRL-shaped entry point for your own data and
+reward functions; `tba train` (`tba.cli`) runs the same from YAML configs. The layout follows the
+data flow, prompts -> searchers -> buffer -> trainer -> weights -> searchers: `tba.tasks`
+(prompts and rewards), `tba.searcher`, `tba.buffer`, `tba.trainer` (with `tba.objectives`, the
+losses, and `tba.policy`, models, sampling and log-probs), `tba.runtime` (where searchers run
+and how their samples reach the buffer) and `tba.loop`, which wires them for a run
+(docs/design.md).
 """
+
+from tba.api import TBAConfig, TBATrainer
 
 __version__ = "0.1.0"
 __all__ = ["TBAConfig", "TBATrainer"]
-
-
-def __getattr__(name: str):
-    """`from tba import TBATrainer` without importing torch for every `import tba`."""
-    if name in __all__:
-        from tba import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'tba' has no attribute {name!r}")

@@ -24,8 +24,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from tba.config import RunConfig, load_config
-from tba.tasks import RewardFn
+from tba.core import RewardFn
+from tba.loop import train
+from tba.offline_eval import score_final
+from tba.quiet import quiet_libraries
 from tba.tasks.custom import custom_task, prepare_rows, reward_functions
 
 
@@ -97,9 +102,6 @@ class TBATrainer:
     def train(self, resume_from_checkpoint: bool = False, overwrite: bool = False) -> dict:
         """Run to the end of `args.train` (steps or minutes). Returns `eval.json` (metrics at
         the start and the end, throughput, staleness) with `run_dir` added."""
-        from tba.quiet import quiet_libraries
-        from tba.training import train
-
         quiet_libraries()
         run_dir = train(self.args, resume=resume_from_checkpoint, overwrite=overwrite,
                         task=self.task)  # fmt: skip
@@ -107,9 +109,8 @@ class TBATrainer:
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics of the trained policy (RUN_DIR/final), scored as `tba eval`
-        does; `tba.scoring.score_snapshots(run_dir, task=trainer.task)` scores the snapshots."""
-        from tba.scoring import score_final
-
+        does; `tba.offline_eval.score_snapshots(run_dir, task=trainer.task)` scores the
+        snapshots."""
         return score_final(Path(self.args.output_dir), task=self.task)["metrics"]
 
 
@@ -129,8 +130,6 @@ def _describe(function: Callable | str) -> str:
 def _model_path(model: Any, processing_class: Any, output_dir: str) -> str:
     if isinstance(model, str | Path):
         return str(model)
-    from transformers import AutoTokenizer
-
     tokenizer = processing_class or AutoTokenizer.from_pretrained(model.name_or_path)
     path = Path(f"{output_dir}-base-model")  # beside the run: --overwrite does not delete it
     model.save_pretrained(path)

@@ -22,44 +22,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tba.config import BufferConfig
-
-
-@dataclass
-class Sample:
-    """One generated response together with everything the TB loss needs about it."""
-
-    prompt_id: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    reward: float
-    ref_logp: float
-    behaviour_logp: float
-    version: int
-    searcher_id: int = 0
-    created_at: float = 0.0
-    truncated: bool = False
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)  # logged by reward functions
-    # Per response token; the clipped-ratio baselines need them, TB does not.
-    behaviour_token_logps: list[float] | None = None
-    # (searcher_id, incarnation, seq) names a sample uniquely within a run: the trainer checks
-    # that every searcher process hands over 0, 1, 2, ... exactly once.
-    incarnation: int = 0
-    seq: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Sample:
-        return cls(**d)
+from tba.config import BufferConfig
+from tba.core import Batch, Sample
 
 
 class _PromptPool:
@@ -134,16 +102,6 @@ def _fill_group(distinct: list[Sample], group_size: int, rng: np.random.Generato
         return distinct
     extra = rng.integers(len(distinct), size=missing)
     return distinct + [distinct[int(i)] for i in extra]
-
-
-@dataclass
-class Batch:
-    """A sampled batch: its groups, and what they are made of."""
-
-    groups: list[list[Sample]]
-    fresh: int = 0  # groups of fresh samples (the recent branch)
-    reused: int = 0  # groups in which every sample had been trained on before
-    repeated: int = 0  # groups identical to one of the previous batch (same samples)
 
 
 def _validate_sampling_args(

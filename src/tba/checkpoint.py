@@ -1,7 +1,7 @@
 """Checkpoints: everything a run needs to go on exactly where it stopped.
 
 A checkpoint is the run's state: one dict with each component's `state_dict()` under its name
-(`trainer`, `buffer`, `searchers`, `feed`, ...: `tba.training.TrainLoop.state_dict`), stored as
+(`trainer`, `buffer`, `searchers`, `feed`, ...: `tba.loop.TrainLoop.state_dict`), stored as
 
 <run_dir>/checkpoints/step000120/
     model.safetensors      state["trainer"]["model"]: the policy (with LoRA: base and adapters)

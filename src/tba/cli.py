@@ -12,10 +12,11 @@
     tba pretrain [CONFIG.yaml] [key=value ...]  build the built-in base policy (cached; with
                                                 task.name=redteam or summarize: its world)
     tba config [CONFIG.yaml] [key=value ...]    print the resolved configuration
-    tba config --reference                      every setting, its default and meaning (Markdown)
+    tba config --reference                      every setting, its default and meaning: the
+                                                Markdown of docs/configuration.md
 
 `tba eval` overrides apply on top of the run's config.yaml (`task.num_eval=1024`,
-`eval.batch_size=64`, ...): see `tba.scoring`.
+`eval.batch_size=64`, ...): see `tba.offline_eval`.
 
 Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, a checkpoint
 that does not fit, a run directory without a run, snapshots or the metric asked for) prints one
@@ -32,9 +33,17 @@ import json
 import sys
 from pathlib import Path
 
-from tba.config import ConfigError, dump_config, load_config, reference_table
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tba import offline_eval
+from tba.config import ConfigError, dump_config, load_config, reference_page
 from tba.errors import CheckpointError, RunError
+from tba.loop import train
+from tba.plots import plot_run_dirs
 from tba.quiet import quiet_libraries
+from tba.tasks import resolve_policy
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "config":
             command.add_argument(
                 "--reference", action="store_true",
-                help="print every setting with its default and meaning as a Markdown table",
+                help="print every setting with its default and meaning (docs/configuration.md)",
             )  # fmt: skip
         if name == "train":
             command.add_argument(
@@ -125,8 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "eval":
             return _eval(options.run_dir, options.overrides, options.snapshots)
         if options.command == "plot":
-            from tba.rundir import plot_run_dirs
-
             drawn = plot_run_dirs(options.run_dirs, options.out, options.metric or (), options.x)
             print(f"{options.out} ({', '.join(drawn)} against {options.x})")
             return 0
@@ -136,20 +143,14 @@ def main(argv: list[str] | None = None) -> int:
             path, overrides = _resume_config(resume, path, overrides)
         config = load_config(path, overrides)
         if options.command == "config":
-            print(reference_table() if options.reference else dump_config(config).rstrip("\n"))
+            print(reference_page() if options.reference else dump_config(config), end="")
             return 0
         quiet_libraries()
-        from rich.console import Console
-
         console = Console(stderr=True)
         if options.command == "pretrain":
-            from tba.base_policy import resolve_policy
-
             path = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
             console.log(f"base policy ready: {path}")
             return 0
-        from tba.training import train
-
         run_dir = train(config, console, resume=resume is not None, overwrite=options.overwrite)
         interrupted = json.loads((run_dir / "eval.json").read_text())["interrupted"]
         console.log(f"{'interrupted, saved' if interrupted else 'done'}: {run_dir}")
@@ -168,21 +169,16 @@ def main(argv: list[str] | None = None) -> int:
 def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
     """Score, print a table to stdout, write the result as JSON into the run directory."""
     quiet_libraries()
-    import torch
-    from rich.console import Console
-
-    from tba import scoring
-
     console = Console(stderr=True)
-    threads = scoring.run_config(run_dir, overrides).policy.num_threads
+    threads = offline_eval.run_config(run_dir, overrides).policy.num_threads
     if threads:
         torch.set_num_threads(threads)
     if snapshots:
-        points = scoring.score_snapshots(run_dir, overrides, log=console.log)
-        result, name = {"overrides": overrides, "points": points}, scoring.SNAPSHOT_SCORES
+        points = offline_eval.score_snapshots(run_dir, overrides, log=console.log)
+        result, name = {"overrides": overrides, "points": points}, offline_eval.SNAPSHOT_SCORES
     else:
-        points = [scoring.score_final(run_dir, overrides, log=console.log)]
-        result, name = {"overrides": overrides, **points[0]}, scoring.FINAL_SCORES
+        points = [offline_eval.score_final(run_dir, overrides, log=console.log)]
+        result, name = {"overrides": overrides, **points[0]}, offline_eval.FINAL_SCORES
     title = f"{run_dir}: {'base policy and snapshots' if snapshots else 'final policy'}"
     Console().print(_scores_table(points, title))
     (run_dir / name).write_text(json.dumps(result, indent=2) + "\n")
@@ -190,9 +186,7 @@ def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
     return 0
 
 
-def _scores_table(points: list[dict], title: str):
-    from rich.table import Table
-
+def _scores_table(points: list[dict], title: str) -> Table:
     table = Table(title=title)
     metrics = list(dict.fromkeys(key for point in points for key in point["metrics"]))
     for column in ["step", "minutes", "samples", *metrics]:

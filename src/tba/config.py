@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tba.errors import ConfigError  # defined there; importable from here too
-from tba.tasks.data import check_template
+from tba.objectives import BASELINE_KLS, OBJECTIVES, TRUST_REGIONS
+from tba.templates import template_fields
 
 
 class Section(BaseModel):
@@ -195,7 +196,7 @@ class TaskConfig(Section):
                 raise ValueError(f"task.{wrong[0]} does not apply to the custom task (its "
                                  "rewards come from task.reward_funcs)")  # fmt: skip
             if self.prompt_template is not None:
-                check_template(self.prompt_template)
+                template_fields(self.prompt_template)
             return self
         if self.train_path is None and self.dataset is None:
             raise ValueError(f"task.name={self.name} needs task.train_path or task.dataset")
@@ -208,7 +209,7 @@ class TaskConfig(Section):
         if self.name != "tldr" and (self.reward_model or self.eval_reward_model):
             raise ValueError(f"task.reward_model applies to tldr, not to {self.name}")
         if self.prompt_template is not None:
-            check_template(self.prompt_template)
+            template_fields(self.prompt_template)
         return self
 
 
@@ -218,10 +219,11 @@ class TrainConfig(Section):
         description="async: searchers never stop, the trainer never waits; "
         "sync: generate with the latest weights, then train on exactly that",
     )
-    loss: Literal["tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo"] = Field(
-        "tb", description="objective: `tb` (VarGrad trajectory balance) or a baseline"
+    loss: Literal[tuple(OBJECTIVES)] = Field(  # type: ignore[valid-type]
+        "tb", description="objective: `tb` (VarGrad trajectory balance) or a baseline "
+        f"({', '.join(name for name in OBJECTIVES if name != 'tb')})",
     )
-    trust_region: Literal["sequence", "token", "none"] = Field(
+    trust_region: Literal[TRUST_REGIONS] = Field(  # type: ignore[valid-type]
         "sequence", description="tb: clip the importance ratio to the behaviour policy per "
         "`sequence` or per `token` (TBA'), or `none` (the paper's plain TB)",
     )
@@ -233,7 +235,7 @@ class TrainConfig(Section):
         "learned with the policy (a linear head on the prompt's mean input embedding)",
     )
     log_z_lr: float = Field(1e-2, gt=0, description="Adam learning rate of a learned log Z")
-    baseline_kl: Literal["current", "behaviour"] = Field(
+    baseline_kl: Literal[BASELINE_KLS] = Field(  # type: ignore[valid-type]
         "current", description="log-probs in the baselines' KL-shaped reward r - beta KL: the "
         "`current` policy's (every baseline then targets TB's distribution off-policy too, and "
         "RLOO's gradient is TB's) or the `behaviour` policy's, fixed at sampling (TRL's RLOO)",
@@ -584,13 +586,57 @@ def dump_config(config: RunConfig) -> str:
 
 
 def reference_table(model: type[BaseModel] = RunConfig, prefix: str = "") -> str:
-    """Every setting as a Markdown table row: `| key | default | meaning |` (the README's)."""
+    """Every setting as a Markdown table row: `| key | default | meaning |`."""
     rows = []
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.append(reference_table(annotation, f"{prefix}{name}."))
-            continue
-        default = "null" if field.default is None else field.default
-        rows.append(f"| `{prefix}{name}` | `{default}` | {field.description or ''} |")
+        if _is_section(field):
+            rows.append(reference_table(field.annotation, f"{prefix}{name}."))
+        else:
+            rows.append(_reference_row(f"{prefix}{name}", field))
     return "\n".join(rows)
+
+
+def reference_page() -> str:
+    """docs/configuration.md: every setting by section, with its default and meaning, and the
+    defaults each task changes (`TASK_PRESETS`)."""
+    header = "| key | default | meaning |\n|---|---|---|"
+    fields = RunConfig.model_fields
+    parts = [
+        "# Configuration reference",
+        "",
+        "Every setting of a run, its default and its meaning. Generated from the code by "
+        "`tba config --reference > docs/configuration.md`; a test keeps it current.",
+        "",
+        "A run is configured by a YAML file (`tba train CONFIG.yaml`) and `section.key=value` "
+        "overrides (values parsed as YAML), on top of these defaults; `tba config [CONFIG.yaml] "
+        "[key=value ...]` prints the resolved configuration. Every value is typed and checked: "
+        "an unknown key, a wrong type or a value out of range is one line naming the key and "
+        "what is allowed.",
+        "",
+        "## Top level",
+        "",
+        header,
+        *(_reference_row(name, f) for name, f in fields.items() if not _is_section(f)),
+    ]
+    for name, field in fields.items():
+        if _is_section(field):
+            doc = field.annotation.__doc__
+            parts += ["", f"## `{name}`", ""]
+            if doc and doc != Section.__doc__:
+                parts += [" ".join(doc.split()), ""]
+            parts += [header, reference_table(field.annotation, f"{name}.")]
+    parts += ["", "## Task presets", "", "Defaults a task changes, where the file and the "
+              "overrides leave a key unset:", ""]  # fmt: skip
+    for task, preset in TASK_PRESETS.items():
+        settings = ", ".join(f"`{key}={value}`" for key, value in preset.items())
+        parts.append(f"- `task.name={task}`: {settings}")
+    return "\n".join(parts) + "\n"
+
+
+def _reference_row(key: str, field) -> str:
+    default = "null" if field.default is None else field.default
+    return f"| `{key}` | `{default}` | {field.description or ''} |"
+
+
+def _is_section(field) -> bool:
+    return isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)

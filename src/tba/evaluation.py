@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tba.policy.sampling import generate
+from tba.core import RewardFn, Task
+from tba.policy.sampling import generate_texts
 from tba.policy.tokenizer import encode_prompts
-from tba.rewards import as_reward_inputs, call_reward
-from tba.tasks import RewardFn, Task
+from tba.rewards.scorer import as_reward_inputs, call_reward
 
 
 @dataclass(frozen=True)
@@ -78,25 +78,15 @@ def _scores(
     chat_template: bool = False,
 ) -> list[float]:
     """`score_fn` of one completion per row (the row's other columns passed on)."""
-    results: list[float] = []
-    for first in range(0, len(rows), batch_size):
-        batch = rows[first : first + batch_size]
-        prompts = [row["prompt"] for row in batch]
-        out = generate(
-            model,
-            encode_prompts(tokenizer, prompts, chat_template=chat_template),
-            eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            greedy=greedy,
-            generator=generator,
-        )
-        completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        columns = {key: [row[key] for row in batch] for key in batch[0] if key != "prompt"}
-        prompts, completions = as_reward_inputs(prompts, completions)
-        results += [float(s) for s in call_reward(score_fn, prompts, completions, **columns)]
-    return results
+    prompts = [row["prompt"] for row in rows]
+    completions = generate_texts(
+        model, tokenizer, encode_prompts(tokenizer, prompts, chat_template=chat_template),
+        max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
+        generator=generator, batch_size=batch_size,
+    )  # fmt: skip
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    prompts, completions = as_reward_inputs(prompts, completions)
+    return [float(s) for s in call_reward(score_fn, prompts, completions, **columns)]
 
 
 def _correct(model, tokenizer, rows: list[dict], correct_fn: RewardFn, **options) -> list[bool]:

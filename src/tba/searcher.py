@@ -17,13 +17,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tba.buffer import Sample
+from tba.config import RunConfig
+from tba.core import RewardFn, Sample
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
 from tba.policy.sampling import generate
 from tba.policy.tokenizer import encode_prompts
-from tba.rewards import RewardScorer
-from tba.tasks import RewardFn
+from tba.rewards.scorer import RewardScorer
 
 
 @dataclass
@@ -39,6 +39,21 @@ class SearchSettings:
     # Exploration: the searcher samples at this temperature instead (None: `temperature`). The
     # samples' behaviour log-probs are the sampler's, at this temperature.
     sample_temperature: float | None = None
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> SearchSettings:
+        tc = config.train
+        return cls(
+            samples_per_prompt=tc.samples_per_prompt or tc.group_size,
+            temperature=config.policy.temperature,
+            max_new_tokens=config.policy.max_new_tokens,
+            truncated=tc.truncated,
+            truncation_penalty=tc.truncation_penalty,
+            reward_timeout_s=config.searchers.reward_timeout_s,
+            max_reward_failures=config.searchers.max_reward_failures,
+            chat_template=config.policy.chat_template,
+            sample_temperature=config.searchers.temperature,
+        )
 
 
 class PromptStream:

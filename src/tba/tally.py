@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tba.buffer import Batch
+from tba.core import Batch
 from tba.trainer import Trainer
 
 

@@ -2,10 +2,11 @@
 
 The reference log-probs come with the samples; the trainer only runs the policy. Groups are kept
 whole inside a micro-batch, because each group's log Z_hat (or baseline) is estimated from all its
-members. `loss` picks the objective: `tb` (VarGrad Trajectory Balance in reward units, with the
-trust region `trust_region`: a clipped importance ratio to the behaviour policy per `sequence` or
-per `token`, or `none`, the paper's plain TB) or one of the baselines of
-`tba.objectives.baselines`, which share everything else. `baseline_kl` picks the log-probs in
+members. `loss` names the objective in `tba.objectives.OBJECTIVES`: `tb` (VarGrad Trajectory
+Balance in reward units, with the trust region `trust_region`: a clipped importance ratio to the
+behaviour policy per `sequence` or per `token`, or `none`, the paper's plain TB) or one of the
+baselines of `tba.objectives.baselines`, which share everything else. `baseline_kl` picks the
+log-probs in
 the baselines' KL-shaped reward: the `current` policy's (then RLOO's gradient is TB's) or the
 `behaviour` policy's, fixed when the sample was drawn (as in TRL's RLOO).
 
@@ -17,7 +18,7 @@ and how far the batch is from the policy that generated it: `ratio_out_frac`, th
 sequences whose ratio pi / pi_behaviour left [0.8, 1.2].
 
 The optimizer updates only trainable weights (with LoRA: the adapters), and bf16 weights through
-fp32 master copies (`tba.precision`); the loss is computed in fp32.
+fp32 master copies (`tba.policy.precision`); the loss is computed in fp32.
 """
 
 from __future__ import annotations
@@ -31,30 +32,18 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from tba.buffer import Sample
-from tba.objectives import (
-    dr_grpo_loss,
-    grpo_loss,
-    online_dpo_loss,
-    proximal_rloo_loss,
-    rloo_loss,
-    tb_loss,
-    tb_trust_region_loss,
-)
+from tba.core import Sample
+from tba.objectives import BASELINE_KLS, OBJECTIVES, TRUST_REGIONS, LossInputs
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import get_weights
-from tba.precision import MasterWeights
+from tba.policy.precision import MasterWeights
 
-LOSSES = ("tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo")
-TRUST_REGIONS = ("sequence", "token", "none")
-BASELINE_KLS = ("current", "behaviour")
-CLIPPED = {"dr_grpo": dr_grpo_loss, "grpo": grpo_loss, "proximal_rloo": proximal_rloo_loss}
 RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 1.2]
 
 
 class Trainer:
     """The policy being trained, its optimizer and its weight versions: `step` on a batch,
-    `publish` weights for the searchers, and `state_dict` for checkpoints."""
+    `next_version` of the weights for the searchers, and `state_dict` for checkpoints."""
 
     def __init__(
         self,
@@ -73,17 +62,12 @@ class Trainer:
         log_z_lr: float = 1e-2,
         baseline_kl: str = "current",
     ) -> None:
-        if loss not in LOSSES:
-            raise ValueError(f"unknown loss {loss!r}; available: {', '.join(LOSSES)}")
-        if baseline_kl not in BASELINE_KLS:
-            raise ValueError(
-                f"unknown baseline_kl {baseline_kl!r}; available: {', '.join(BASELINE_KLS)}"
-            )
-        if trust_region not in TRUST_REGIONS:
-            raise ValueError(
-                f"unknown trust region {trust_region!r}; available: {', '.join(TRUST_REGIONS)}"
-            )
+        for name, value, allowed in (("loss", loss, OBJECTIVES), ("trust_region", trust_region,
+                                     TRUST_REGIONS), ("baseline_kl", baseline_kl, BASELINE_KLS)):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}; available: {', '.join(allowed)}")
         self.loss = loss
+        self.objective = OBJECTIVES[loss]
         self.clip_eps = clip_eps
         self.trust_region = trust_region
         self.baseline_kl = baseline_kl
@@ -113,7 +97,7 @@ class Trainer:
     def weights(self) -> dict[str, np.ndarray]:
         return get_weights(self.model)
 
-    def publish(self) -> tuple[dict[str, np.ndarray], int]:
+    def next_version(self) -> tuple[dict[str, np.ndarray], int]:
         """The current weights as the next version, for the searchers."""
         self.version += 1
         self.publish_steps.append(self.step_count)
@@ -241,29 +225,14 @@ class Trainer:
         log_z = None
         if self.log_z_head is not None:
             log_z = self.log_z_head(flat, logp.detach(), ref_logp, rewards, beta)
-        if self.loss == "tb" and self.trust_region == "none":
-            loss, log_z = tb_loss(logp, ref_logp, rewards, group_ids, beta, log_z)
-            kl = (logp.detach() - ref_logp).mean()
-            return loss, {"log_z": float(log_z.mean()), "kl": float(kl), **drift}
-        kl_logp = behaviour_logp if self.baseline_kl == "behaviour" else None
-        if self.loss == "tb":
-            behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
-            loss, stats = tb_trust_region_loss(
-                token_logp, behaviour, mask, rewards, ref_logp, group_ids,
-                beta=beta, clip_eps=self.clip_eps, level=self.trust_region, log_z=log_z,
-            )  # fmt: skip
-        elif self.loss in CLIPPED:
-            behaviour = _behaviour_token_logps(flat, token_logp.shape[1], device)
-            loss, stats = CLIPPED[self.loss](
-                token_logp, behaviour, mask, rewards, ref_logp, group_ids,
-                beta=beta, clip_eps=self.clip_eps, kl_logp=kl_logp,
-            )  # fmt: skip
-        elif self.loss == "rloo":
-            loss, stats = rloo_loss(
-                token_logp, mask, rewards, ref_logp, group_ids, beta=beta, kl_logp=kl_logp
+        loss, stats = self.objective(
+            LossInputs(
+                token_logp, mask, _behaviour_token_logps(flat, token_logp.shape[1], device),
+                rewards, ref_logp, group_ids, beta=beta, clip_eps=self.clip_eps,
+                trust_region=self.trust_region, log_z=log_z,
+                kl_logp=behaviour_logp if self.baseline_kl == "behaviour" else None,
             )
-        else:
-            loss, stats = online_dpo_loss(token_logp, mask, rewards, ref_logp, group_ids, beta=beta)
+        )  # fmt: skip
         return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
 
 
@@ -300,11 +269,12 @@ class LearnedLogZ(torch.nn.Module):
         return self.head(pooled).squeeze(-1)
 
 
-def _behaviour_token_logps(flat: list[Sample], width: int, device) -> torch.Tensor:
-    """(N, width) right-padded with zeros, like the policy's token log-probs."""
+def _behaviour_token_logps(flat: list[Sample], width: int, device) -> torch.Tensor | None:
+    """(N, width) right-padded with zeros, like the policy's token log-probs; None unless every
+    sample has them (the objectives that need them say so)."""
+    if any(s.behaviour_token_logps is None for s in flat):
+        return None
     padded = torch.zeros(len(flat), width)
     for row, s in enumerate(flat):
-        if s.behaviour_token_logps is None:
-            raise ValueError("this loss needs per-token behaviour log-probs in every sample")
         padded[row, : len(s.behaviour_token_logps)] = torch.tensor(s.behaviour_token_logps)
     return padded.to(device)

@@ -14,6 +14,9 @@ except DPO, on the same KL-shaped reward ``r - beta * stopgrad(log pi - log pi_r
 group-standardised advantage), :func:`rloo_loss` (REINFORCE with a leave-one-out baseline),
 :func:`proximal_rloo_loss` (RLOO with a clipped sequence-level importance ratio, for off-policy
 data) and :func:`online_dpo_loss` (DPO on the best-vs-worst response of each group).
+
+``OBJECTIVES`` (:mod:`tba.objectives.registry`) names every one of them behind one signature,
+``OBJECTIVES[name](LossInputs(...)) -> (loss, stats)``: what ``train.loss`` chooses from.
 """
 
 from tba.objectives.baselines import (
@@ -24,11 +27,23 @@ from tba.objectives.baselines import (
     rloo_loss,
 )
 from tba.objectives.common import group_mean
+from tba.objectives.registry import (
+    BASELINE_KLS,
+    OBJECTIVES,
+    TRUST_REGIONS,
+    LossInputs,
+    Objective,
+)
 from tba.objectives.schedules import BetaSchedule
 from tba.objectives.tb import tb_loss, tb_residuals, tb_trust_region_loss
 
 __all__ = [
+    "BASELINE_KLS",
+    "OBJECTIVES",
+    "TRUST_REGIONS",
     "BetaSchedule",
+    "LossInputs",
+    "Objective",
     "dr_grpo_loss",
     "group_mean",
     "grpo_loss",

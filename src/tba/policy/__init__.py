@@ -1,1 +1,2 @@
-"""The policy: tokenizer, model building and loading, KV-cache sampling, sequence log-probs."""
+"""The policy: tokenizers, models (building, loading, LoRA, moving weights, fp32 masters of bf16
+weights), where their files come from, KV-cache sampling, the one log-prob function, SFT."""

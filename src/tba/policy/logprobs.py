@@ -1,4 +1,4 @@
-"""The log-probs used everywhere: searcher (reference log-probs) and trainer alike.
+"""The log-probs used everywhere: searcher (reference log-probs), trainer, evaluation and SFT.
 
     log pi(y_t | x, y_<t) = log_softmax(logits_t / temperature)[y_t]      (token_logprobs)
     log pi(y | x)         = sum_t log pi(y_t | x, y_<t)                    (sequence_logprobs)
@@ -17,6 +17,20 @@ from transformers import PreTrainedModel
 from tba.policy.batching import left_pad, right_pad, unique_prompts
 from tba.policy.kv_cache import cache_keyword, returned_cache
 from tba.policy.model import is_checkpointing
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) over the vocabulary, in fp32 at least (bf16 logits would
+    round the log-probs); fp64 stays fp64, for exact tests."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def gather_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log pi(token) under `logits` (..., V) at `temperature`, for every entry of `tokens` (...)."""
+    return log_softmax(logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def sequence_logprobs(
@@ -44,6 +58,30 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token response log-probs (N, T), right-padded, float32, differentiable, and the 0/1
     float mask (N, T) of real response tokens."""
+    # Checkpointed layers run without a KV cache (transformers drops it), so each response then
+    # runs with its own copy of its prompt.
+    share = not (model.training and is_checkpointing(model))
+    logits, response_ids, response_mask = response_logits(
+        model, prompts, responses, pad_id=pad_id, share_prompts=share
+    )
+    token_logps = gather_logprobs(logits, response_ids, temperature)
+    mask = response_mask.to(token_logps.dtype)
+    return token_logps * mask, mask
+
+
+def response_logits(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    pad_id: int,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits that predict each response token (N, T, V), the right-padded response ids
+    (N, T) and the 0/1 mask of real response tokens (N, T). Prompts are left-padded and
+    responses right-padded, so that every response starts in the same column. `share_prompts`:
+    each distinct prompt runs once and its KV cache serves all of its responses; otherwise each
+    response runs with its prompt in front."""
     if any(len(r) == 0 for r in responses):
         raise ValueError("every response needs at least one token")
     device = next(model.parameters()).device
@@ -51,29 +89,21 @@ def token_logprobs(
     prompt_ids, prompt_mask, prompt_positions = left_pad(distinct, pad_id, device)
     index = torch.tensor(rows, device=device)
     response_ids, response_mask = right_pad(responses, pad_id, device)
-    if model.training and is_checkpointing(model):
-        # Checkpointed layers run without a KV cache (transformers drops it), so each response
-        # runs with its own copy of its prompt.
-        ids = torch.cat([prompt_ids[index], response_ids], dim=1)
-        mask = torch.cat([prompt_mask[index], response_mask], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-        # The logits at the last prompt column predict the first response token, and so on.
-        start = prompt_ids.size(1) - 1
-        logits = out.logits[:, start : start + response_ids.size(1)]
-    else:
-        logits = _response_logits_sharing_prompts(
+    if share_prompts:
+        logits = _logits_sharing_prompts(
             model, prompt_ids, prompt_mask, prompt_positions, index, response_ids, response_mask
         )
-    # fp32 at least (bf16 logits would round the log-probs), fp64 kept for exact tests.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
-    token_logps = log_probs.gather(-1, response_ids[..., None]).squeeze(-1)
-    mask = response_mask.to(token_logps.dtype)
-    return token_logps * mask, mask
+        return logits, response_ids, response_mask
+    ids = torch.cat([prompt_ids[index], response_ids], dim=1)
+    mask = torch.cat([prompt_mask[index], response_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    # The logits at the last prompt column predict the first response token, and so on.
+    start = prompt_ids.size(1) - 1
+    return out.logits[:, start : start + response_ids.size(1)], response_ids, response_mask
 
 
-def _response_logits_sharing_prompts(
+def _logits_sharing_prompts(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,

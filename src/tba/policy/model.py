@@ -12,14 +12,14 @@ copy of the base weights with the same adapters, and only the adapter tensors tr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import peft
 import torch
+from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-if TYPE_CHECKING:
-    from tba.config import LoraConfig
+from tba.config import LoraConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -115,8 +115,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 def add_lora(model: PreTrainedModel, lora: LoraConfig) -> PreTrainedModel:
     """Wrap `model` with trainable low-rank adapters; its own weights are frozen, not copied."""
-    import peft
-
     config = peft.LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -158,17 +156,13 @@ def set_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
     if not is_lora(model):
         model.load_state_dict(state)
         return
-    from peft import set_peft_model_state_dict
-
-    set_peft_model_state_dict(model, state)
+    peft.set_peft_model_state_dict(model, state)
 
 
 def _published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not is_lora(model):
         return model.state_dict()
-    from peft import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(model)
+    return peft.get_peft_model_state_dict(model)
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -191,8 +185,6 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     so that the keys and the shapes are those of the base model."""
     if not is_lora(model):
         return model.state_dict()
-    from peft.tuners.lora import LoraLayer
-
     base = model.get_base_model()
     state = {
         name.replace(".base_layer.", "."): tensor

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.policy.batching import left_pad, unique_prompts
 from tba.policy.kv_cache import cache_keyword, returned_cache
@@ -89,3 +89,38 @@ def generate(
         token_logps=[row[:length] for row, length in zip(token_logps.tolist(), lengths_list)],
         truncated=[not d for d in done.tolist()],
     )
+
+
+def generate_batched(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    batch_size: int = 256,
+) -> list[list[int]]:
+    """One response per prompt (its token ids, EOS included when it ended), generated
+    `batch_size` prompts at a time: what evaluation, the tasks' judges and the world builds use."""
+    responses: list[list[int]] = []
+    for first in range(0, len(prompts), batch_size):
+        out = generate(
+            model, prompts[first : first + batch_size], eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id, max_new_tokens=max_new_tokens,
+            temperature=temperature, greedy=greedy, generator=generator,
+        )  # fmt: skip
+        responses += out.response_ids
+    return responses
+
+
+def generate_texts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    **options,
+) -> list[str]:
+    """`generate_batched`, decoded without special tokens."""
+    responses = generate_batched(model, tokenizer, prompts, **options)
+    return tokenizer.batch_decode(responses, skip_special_tokens=True)

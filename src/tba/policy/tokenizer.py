@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tba.config import ConfigError
-from tba.tasks import Prompt
+from tba.core import Prompt
+from tba.errors import ConfigError
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARSET = string.ascii_letters + string.digits + " \n.,?!:;'$%#+-*/=()<>"

@@ -1,3 +1,4 @@
-"""Where the searchers run, inside the trainer process or as Ray actors on a local or remote
-cluster, behind one interface (`tba.runtime.searchers.Searchers`); and how their samples reach the
-trainer's buffer in each training mode (`tba.runtime.feed`)."""
+"""Where the searchers run and how their samples reach the trainer: the trainer's view of its
+searchers (`pool`), one searcher inside the trainer process (`in_process`), searchers as Ray
+actors (`ray_pool`, `ray_actor`, `ray_cluster`), choosing between them (`launch`), and the feed
+of samples into the buffer, the one place the two training modes differ (`feed`)."""

@@ -34,9 +34,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tba.buffer import ReplayBuffer, Sample
+from tba.buffer import ReplayBuffer
 from tba.config import RunConfig
-from tba.runtime.searchers import AsyncSearchers, Searchers
+from tba.core import EventLogger, Sample
+from tba.runtime.pool import AsyncSearchers, Searchers
 from tba.trainer import Trainer
 
 
@@ -52,7 +53,7 @@ class Feed(ABC):
         searchers: Searchers,
         trainer: Trainer,
         buffer: ReplayBuffer,
-        log_event: Callable[..., None] = lambda kind, **fields: None,
+        log_event: EventLogger = lambda kind, **fields: None,
     ):
         self.config = config
         self.searchers = searchers
@@ -62,7 +63,7 @@ class Feed(ABC):
         self.counts: Counter[str] = Counter()
         self.reward_faults: Counter[str] = Counter()  # "function: reason" -> completions dropped
         self.next_seq: dict[tuple[int, int], int] = {}  # (searcher, incarnation) -> next seq
-        self.publish_next = False  # a resumed run publishes at its first step, whatever k
+        self.sync_next = False  # a resumed run syncs weights at its first step, whatever k
         self.on_merge: Callable[[list[Sample]], None] | None = None  # sees every new sample
 
     def state_dict(self) -> dict[str, Any]:
@@ -76,7 +77,7 @@ class Feed(ABC):
         self.counts = Counter(state["counts"])
         self.reward_faults = Counter(state["reward_faults"])
         self.next_seq = {(sid, inc): seq for sid, inc, seq in state["next_seq"]}
-        self.publish_next = True
+        self.sync_next = True
 
     @staticmethod
     def trainer_threads(config: RunConfig) -> int | None:
@@ -94,9 +95,10 @@ class Feed(ABC):
     def _sync_point(self, step: int) -> bool:
         return (step - 1) % self.config.train.sync_every == 0
 
-    def _publish(self) -> None:
-        self.searchers.publish(*self.trainer.publish())
-        self.publish_next = False
+    def _sync_weights(self) -> None:
+        """The trainer's weights as a new version, offered to every searcher."""
+        self.searchers.offer_weights(*self.trainer.next_version())
+        self.sync_next = False
 
     def _merge(self, samples: list[Sample], stats: dict[str, float]) -> list[Sample]:
         """Add the samples not merged before; returns them."""
@@ -143,8 +145,8 @@ class SyncFeed(Feed):
 
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
         start = time.time()
-        if self._sync_point(step) or self.publish_next:
-            self._publish()
+        if self._sync_point(step) or self.sync_next:
+            self._sync_weights()
         synced = time.time()
         per_step = self.config.searchers.prompts_per_batch or self.config.train.num_prompts
         samples, stats = self.searchers.generate(per_step)
@@ -173,7 +175,7 @@ class AsyncFeed(Feed):
         """Publish the first weights, start the searchers and fill the buffer to
         `train.initial_buffer_samples`."""
         tc = self.config.train
-        self._publish()
+        self._sync_weights()
         self.searchers.start()
         initial = tc.initial_buffer_samples or 4 * tc.num_prompts * tc.group_size
         return self._wait(lambda: len(self.buffer) >= initial, stop)[0]
@@ -181,8 +183,8 @@ class AsyncFeed(Feed):
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
         tc = self.config.train
         start = time.time()
-        if self.publish_next or (step > 1 and self._sync_point(step)):
-            self._publish()  # (the first weights went out in `start`)
+        if self.sync_next or (step > 1 and self._sync_point(step)):
+            self._sync_weights()  # (the first weights went out in `start`)
         synced = time.time()
         stats, merged = self._collect()
         # Only when a staleness bound emptied the buffer.
@@ -232,6 +234,6 @@ def make_feed(
     searchers: Searchers,
     trainer: Trainer,
     buffer: ReplayBuffer,
-    log_event: Callable[..., None] = lambda kind, **fields: None,
+    log_event: EventLogger = lambda kind, **fields: None,
 ) -> Feed:
     return FEEDS[config.train.mode](config, searchers, trainer, buffer, log_event)

@@ -7,7 +7,7 @@ in TRL: a list of `{"role", "content"}` messages (system, user and assistant tur
 policy's chat template renders, ending with the user's turn, or with the assistant's, which the
 completion then continues. Reward functions get conversations as TRL gives them: the prompt's
 messages, and each completion as `[{"role": "assistant", "content": ...}]`, a prefill moved from
-the prompt to the front of the completion (`tba.rewards.as_reward_inputs`).
+the prompt to the front of the completion (`tba.rewards.scorer.as_reward_inputs`).
 
 The rewards of all functions are summed. Held-out evaluation is greedy pass@1 of `eval_func`
 when one is given (1 = correct), else `eval_reward`: the mean summed reward of greedy
@@ -21,13 +21,16 @@ import importlib
 import importlib.util
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tba.config import ConfigError
-from tba.tasks import RewardFn, Task
-
-if TYPE_CHECKING:
-    from tba.config import TaskConfig
+from tba.config import TaskConfig
+from tba.core import RewardFn, Task
+from tba.errors import ConfigError, DatasetError
+from tba.evaluation import greedy_scores
+from tba.rewards.models import RewardModel
+from tba.rewards.scorer import call_reward, total_rewards
+from tba.tasks.datasets import read_rows, sources
+from tba.templates import render, template_fields
 
 
 def import_function(spec: str, key: str = "task.reward_funcs") -> Callable:
@@ -61,8 +64,6 @@ def reward_functions(
 ) -> list[RewardFn]:
     """Callables as they are; a string is `module:function` when it has a colon, else a
     sequence-classification reward model (Hub id or directory) scoring prompt + completion."""
-    from tba.tasks.tldr import RewardModel
-
     functions: list[RewardFn] = []
     for number, spec in enumerate(specs):
         if callable(spec):
@@ -79,8 +80,6 @@ def reward_functions(
 
 def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tuple[list[dict], bool]:
     """(rows with a `prompt`, text or conversation, whether some prompt is a conversation)."""
-    from tba.tasks.data import DatasetError, render, template_fields
-
     prepared: list[dict] = []
     conversational = False
     for number, row in enumerate(rows, start=1):
@@ -109,8 +108,6 @@ ROLES = ("system", "user", "assistant")
 def _check_conversation(messages: list, where: str) -> None:
     """A conversation is `{"role": one of ROLES, "content": text}` messages; the last one is
     the user's (the completion answers it) or the assistant's (the completion continues it)."""
-    from tba.tasks.data import DatasetError
-
     for message in messages:
         if not (isinstance(message, dict) and message.get("role") in ROLES
                 and isinstance(message.get("content"), str)):  # fmt: skip
@@ -131,13 +128,10 @@ class SummedReward:
         self.functions = functions
 
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
-        from tba.rewards import call_reward
-
-        totals = [0.0] * len(completions)
-        for function in self.functions:
-            for i, value in enumerate(call_reward(function, prompts, completions, **columns)):
-                totals[i] += float(value)
-        return totals
+        return total_rewards(
+            [float(v) for v in call_reward(function, prompts, completions, **columns)]
+            for function in self.functions
+        )
 
 
 class MeanReward:
@@ -147,8 +141,6 @@ class MeanReward:
         self.score, self.rows = SummedReward(functions), rows
 
     def __call__(self, model, tokenizer, settings) -> dict[str, float]:
-        from tba.evaluation import greedy_scores
-
         scores = greedy_scores(model, tokenizer, self.rows, self.score,
                                max_new_tokens=settings.max_new_tokens,
                                batch_size=settings.batch_size,
@@ -177,12 +169,9 @@ def custom_task(
                 conversational=conversational)  # fmt: skip
 
 
-def build_task(config: TaskConfig) -> Task:
+def custom_task_from_config(config: TaskConfig) -> Task:
     """The CLI's custom task: rows from task.train_path / task.dataset, held-out rows from
     task.eval_path / task.eval_dataset when given, rewards from task.reward_funcs."""
-    from tba.tasks.build import sources
-    from tba.tasks.data import read_rows
-
     train_source, eval_source = sources(config)
     if train_source.path is None and train_source.dataset is None:
         raise ConfigError("task.name=custom needs task.train_path or task.dataset")

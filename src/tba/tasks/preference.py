@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from functools import partial
 
 import torch
 
-from tba.policy.batching import left_pad, right_pad
+from tba.lazy import Lazy
+from tba.policy.logprobs import log_softmax, response_logits
+from tba.policy.model import load_model
+from tba.policy.sampling import generate_batched
+from tba.policy.sources import model_dir
+from tba.policy.tokenizer import encode_prompts
 
 # score_fn(prompts, responses) -> one score per response
 ScoreFn = Callable[[list[str], list[str]], list[float]]
@@ -59,16 +63,11 @@ class PreferenceEvaluator:
         self.judge, self.proxy = judge, proxy
         self.reference_policy = reference_policy
         self._reference_scores: list[float] | None = None
-        self._reference_model: Any = None
-
-    def __getstate__(self) -> dict:
-        """Pickled without the loaded reference policy: each process loads its own."""
-        return self.__dict__ | {"_reference_model": None}
+        # Loaded in the process that evaluates, on the device and in the dtype of the policy.
+        self.reference = Lazy(partial(_load_reference, reference_policy))
 
     @torch.no_grad()
     def __call__(self, model, tokenizer, settings) -> dict[str, float]:
-        from tba.policy.tokenizer import encode_prompts
-
         prompt_ids = encode_prompts(tokenizer, self.prompts, chat_template=settings.chat_template)
         greedy = decode(tokenizer, respond(model, tokenizer, prompt_ids, settings, greedy=True))
         ours = self.judge(self.prompts, greedy)
@@ -82,24 +81,19 @@ class PreferenceEvaluator:
         if self.reference_policy is not None:
             sampled = respond(model, tokenizer, prompt_ids, settings, greedy=False)
             kl, perplexity = closeness(
-                model, self._reference(model), prompt_ids, sampled,
+                model, self.reference.get(model), prompt_ids, sampled,
                 pad_id=tokenizer.pad_token_id, temperature=settings.temperature,
             )  # fmt: skip
             metrics |= {"eval_kl": kl, "eval_ref_perplexity": perplexity}
         return metrics
 
-    def _reference(self, model):
-        if self._reference_model is None:
-            from tba.base_policy import hub_snapshot
-            from tba.policy.model import load_model
 
-            path = Path(self.reference_policy).expanduser()
-            if not path.is_dir():
-                path = hub_snapshot(self.reference_policy)
-            weights = model.get_input_embeddings().weight
-            reference = load_model(str(path), weights.device, weights.dtype)
-            self._reference_model = reference.eval().requires_grad_(False)
-        return self._reference_model
+def _load_reference(path_or_id: str, policy):
+    """The reference policy, frozen, on the device and in the dtype of `policy`."""
+    weights = policy.get_input_embeddings().weight
+    path = model_dir(path_or_id, "the reference policy")
+    reference = load_model(str(path), weights.device, weights.dtype)
+    return reference.eval().requires_grad_(False)
 
 
 def respond(
@@ -107,43 +101,19 @@ def respond(
 ) -> list[list[int]]:
     """One response per prompt (EOS included when it ended): greedy, or sampled at the settings'
     temperature with a generator seeded by `settings.seed`."""
-    from tba.policy.sampling import generate
-
     generator = None
     if not greedy:
         device = next(model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(settings.seed)
-    responses: list[list[int]] = []
-    for first in range(0, len(prompt_ids), settings.batch_size):
-        out = generate(
-            model, prompt_ids[first : first + settings.batch_size],
-            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-            max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-            greedy=greedy, generator=generator,
-        )  # fmt: skip
-        responses += out.response_ids
-    return responses
+    return generate_batched(
+        model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature, greedy=greedy, generator=generator,
+        batch_size=settings.batch_size,
+    )  # fmt: skip
 
 
 def decode(tokenizer, responses: list[list[int]]) -> list[str]:
     return tokenizer.batch_decode(responses, skip_special_tokens=True)
-
-
-def response_logits(
-    model, prompts: list[list[int]], responses: list[list[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The logits that predict each response token, (N, T, V); the right-padded response ids
-    (N, T); and the 0/1 mask of real response tokens (N, T). Prompts are left-padded and
-    responses right-padded, so that every response starts in the same column."""
-    device = model.get_input_embeddings().weight.device
-    prompt_ids, prompt_mask, _ = left_pad(prompts, pad_id, device)
-    response_ids, response_mask = right_pad(responses, pad_id, device)
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-    start = prompt_ids.size(1) - 1  # the last prompt column predicts the first response token
-    return out.logits[:, start : start + response_ids.size(1)], response_ids, response_mask
 
 
 @torch.no_grad()
@@ -157,21 +127,17 @@ def closeness(
     kl_sum = reference_logp_sum = tokens = 0.0
     for first in range(0, len(prompts), batch_size):
         rows = slice(first, first + batch_size)
-        logits, ids, mask = response_logits(policy, prompts[rows], responses[rows], pad_id)
-        logp = _log_softmax(logits, temperature)
-        logits, _, _ = response_logits(reference, prompts[rows], responses[rows], pad_id)
-        logq = _log_softmax(logits, temperature)
+        logits, ids, mask = response_logits(policy, prompts[rows], responses[rows],
+                                            pad_id=pad_id, share_prompts=False)  # fmt: skip
+        logp = log_softmax(logits, temperature)
+        logits, _, _ = response_logits(reference, prompts[rows], responses[rows], pad_id=pad_id,
+                                       share_prompts=False)  # fmt: skip
+        logq = log_softmax(logits, temperature)
         mask = mask.to(logp.dtype)
         kl_sum += float(((logp.exp() * (logp - logq)).sum(-1) * mask).sum())
         reference_logp_sum += float((logq.gather(-1, ids[..., None]).squeeze(-1) * mask).sum())
         tokens += float(mask.sum())
     return kl_sum / tokens, math.exp(-reference_logp_sum / tokens)
-
-
-def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """In fp32 at least (bf16 would round the log-probs); fp64 stays fp64."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.log_softmax(logits / temperature, dim=-1)
 
 
 def _mean(values: list[float]) -> float:

@@ -1,4 +1,4 @@
-"""The embedded math task: synthetic GSM8K-style word problems, and the GSM8K verifier.
+"""The embedded math world: synthetic GSM8K-style word problems and their worked solutions.
 
 Each problem needs one to three arithmetic steps. Its worked solution writes one equation per
 line and ends with GSM8K's answer line, e.g.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,39 +38,6 @@ class Problem:
 def format_prompt(question: str) -> str:
     """The prompt the built-in policy is trained on: the question, then a newline."""
     return question + "\n"
-
-
-# ---------------------------------------------------------------------------- the verifier
-
-_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
-
-
-def parse_number(text: str) -> float | None:
-    """'1,234' -> 1234.0, '$5' -> 5.0, '-3.50' -> -3.5; None when it is not a number."""
-    cleaned = text.replace(",", "").replace("$", "").rstrip(".")
-    try:
-        return float(cleaned)
-    except ValueError:
-        return None
-
-
-def last_number(text: str) -> float | None:
-    """The last number written in `text` (GSM8K's convention for the final answer)."""
-    matches = _NUMBER.findall(text)
-    return parse_number(matches[-1]) if matches else None
-
-
-def is_correct(completion: str, answer: str) -> bool:
-    """True when the last number of the completion equals the gold answer. Never evaluates text."""
-    predicted, gold = last_number(completion), parse_number(answer)
-    return predicted is not None and gold is not None and abs(predicted - gold) < 1e-6
-
-
-def correctness_reward(
-    prompts: list[str], completions: list[str], answer: list[str], **_: object
-) -> list[float]:
-    """1.0 when the completion's last number is the gold answer, else 0.0."""
-    return [float(is_correct(c, a)) for c, a in zip(completions, answer)]
 
 
 # ---------------------------------------------------------------------------- the generator

@@ -10,48 +10,24 @@ first `task.num_train` / `task.num_eval` rows are read.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
-from tba.tasks import Task, competition_math, gsm8k, tldr
-from tba.tasks.data import Source, task_rows
-
-if TYPE_CHECKING:
-    from tba.config import TaskConfig
+from tba.config import TaskConfig
+from tba.core import Task
+from tba.rewards.models import RewardModel
+from tba.tasks.datasets import sources, task_rows
+from tba.tasks.preference import PreferenceEvaluator
+from tba.tasks.verifiers import boxed, gsm8k
 
 DEFAULT_TEMPLATES = {
     "gsm8k": "[MATH_TASK] Problem:\n{question}\n\nSolution:",
-    "competition_math": competition_math.PROMPT_TEMPLATE,
-    "tldr": tldr.PROMPT_TEMPLATE,
+    "competition_math": boxed.PROMPT_TEMPLATE,
+    "tldr": "{query}",
 }
 DEFAULT_ANSWER_FIELDS = {
     "gsm8k": "answer",
     "competition_math": "solution",
-    "tldr": tldr.ANSWER_FIELD,
+    "tldr": "reference_response",
 }
-
-
-def sources(config: TaskConfig) -> tuple[Source, Source]:
-    """Where the train and the held-out rows come from."""
-    train = Source(
-        config.train_path,
-        dataset=config.dataset,
-        dataset_config=config.dataset_config,
-        split=config.train_split,
-        key="task.train_path",
-    )
-    if config.eval_dataset is not None:
-        eval_dataset, eval_config = config.eval_dataset, config.eval_dataset_config
-    else:
-        eval_dataset = config.dataset
-        eval_config = config.eval_dataset_config or config.dataset_config
-    held_out = Source(
-        config.eval_path,
-        dataset=eval_dataset,
-        dataset_config=eval_config,
-        split=config.eval_split,
-        key="task.eval_path",
-    )
-    return train, held_out
 
 
 def _gsm8k_gold(answer: object) -> str:
@@ -62,7 +38,7 @@ def _gsm8k_gold(answer: object) -> str:
 
 
 def _math_gold(solution: object) -> str:
-    gold = competition_math.gold_answer(str(solution))
+    gold = boxed.gold_answer(str(solution))
     if not gold:
         raise ValueError("empty answer")
     return gold
@@ -76,7 +52,8 @@ def dataset_task(
     config: TaskConfig, *, policy_model: str | None = None, cache_dir: str | None = None
 ) -> Task:
     """The task `config.name` on its configured data. `policy_model` lends its tokenizer to a
-    reward model saved without one."""
+    reward model saved without one, and is the reference policy of tldr's KL metrics (unless it
+    is a built-in one)."""
     name = config.name
     template = config.prompt_template or DEFAULT_TEMPLATES[name]
     answer_field = config.answer_field or DEFAULT_ANSWER_FIELDS[name]
@@ -99,9 +76,9 @@ def dataset_task(
     if name == "gsm8k":
         reward_fns, correct_fn = [gsm8k.gsm8k_reward], gsm8k.gsm8k_reward
     elif name == "competition_math":
-        reward_fns, correct_fn = [competition_math.boxed_reward], competition_math.boxed_reward
+        reward_fns, correct_fn = [boxed.boxed_reward], boxed.boxed_reward
     else:
-        reward_fns, correct_fn = _tldr_rewards(config, policy_model)
+        return _tldr_task(config, train_rows, eval_rows, policy_model)
     return Task(
         name=name,
         train_rows=train_rows,
@@ -111,18 +88,33 @@ def dataset_task(
     )
 
 
-def _tldr_rewards(config: TaskConfig, policy_model: str | None) -> tuple[list, tldr.WinRate]:
-    fallback = policy_model if policy_model and not policy_model.startswith("builtin:") else None
+def _tldr_task(
+    config: TaskConfig, train_rows: list[dict], eval_rows: list[dict], policy_model: str | None
+) -> Task:
+    """Preference tuning on TL;DR summaries: the reward is a reward model's score of prompt +
+    summary (a summary cut off without EOS gets `train.truncation_penalty` instead, through the
+    searcher's `train.truncated` rule). Held-out metrics (`tba.tasks.preference`): the win rate of
+    the greedy summary against the row's reference summary under the evaluation reward model (the
+    "gold" one, `task.eval_reward_model`, else the training one), both models' mean scores, and
+    the KL to the reference policy (the run's starting `policy.model`, unless built-in) and its
+    perplexity on the policy's sampled summaries."""
+    given = policy_model is not None and not policy_model.startswith("builtin:")
+    fallback = policy_model if given else None
     options = {
         "device": config.reward_device,
         "batch_size": config.reward_batch_size,
         "tokenizer_fallback": fallback,
     }
     assert config.reward_model is not None  # TaskConfig requires it for tldr
-    reward = tldr.RewardModel(config.reward_model, **options)
+    reward = RewardModel(config.reward_model, **options)
     judge = (
-        tldr.RewardModel(config.eval_reward_model, name="eval_reward_model", **options)
+        RewardModel(config.eval_reward_model, name="eval_reward_model", **options)
         if config.eval_reward_model
         else reward
     )
-    return [reward], tldr.WinRate(judge)
+    evaluator = PreferenceEvaluator(eval_rows, judge.score_pairs, reward.score_pairs, fallback)
+    return Task(
+        name="tldr", train_rows=train_rows, eval_rows=eval_rows, reward_fns=[reward],
+        evaluate=evaluator,
+        metrics=("eval_win_rate", "eval_kl") if given else ("eval_win_rate",),
+    )  # fmt: skip

@@ -1,10 +1,7 @@
-"""The trainer's view of its searchers: publish weights, get samples (`Searchers`, and
-`AsyncSearchers` for the asynchronous mode).
-
-`LocalSearchers` runs one searcher inside the trainer process (synchronous mode, no Ray).
-`RaySearchers` runs `searchers.count` searcher actors. Weights are put into the object store once
-per publish and every searcher fetches that one copy. A searcher process that dies is replaced by
-a new one with the latest weights (up to `searchers.max_restarts` times each); one that does not
+"""Searchers as Ray actors: `RaySearchers` runs `searchers.count` of them (`ray_actor`), on a
+local Ray instance or a cluster. Weights are put into the object store once per offer and every
+searcher fetches that one copy. A searcher process that dies is replaced by a new one with the
+latest weights (up to `searchers.max_restarts` times each); one that does not
 answer within `ray.sync_timeout_s` fails the run with a clear error instead of hanging it.
 
 A replacement continues its predecessor's prompt stream from the last batch handed over, so the
@@ -15,130 +12,23 @@ from __future__ import annotations
 
 import json
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from tba.buffer import Sample
 from tba.config import RunConfig
+from tba.core import EventLogger, Sample, Task
 from tba.errors import SearcherError
-from tba.policy.model import load_policy, resolve_device
-from tba.runtime.searcher_worker import SearcherWorker
-from tba.searcher import PromptStream, Searcher, SearchSettings
-from tba.tasks import Task
-
-EventLog = Callable[..., None]  # log_event(kind, **fields)
-
-
-def search_settings(config: RunConfig) -> SearchSettings:
-    tc = config.train
-    return SearchSettings(
-        samples_per_prompt=tc.samples_per_prompt or tc.group_size,
-        temperature=config.policy.temperature,
-        max_new_tokens=config.policy.max_new_tokens,
-        truncated=tc.truncated,
-        truncation_penalty=tc.truncation_penalty,
-        reward_timeout_s=config.searchers.reward_timeout_s,
-        max_reward_failures=config.searchers.max_reward_failures,
-        chat_template=config.policy.chat_template,
-        sample_temperature=config.searchers.temperature,
-    )
+from tba.runtime.pool import AsyncSearchers
+from tba.runtime.ray_actor import SearcherActor
+from tba.searcher import SearchSettings
 
 
 def searcher_seed(seed: int, searcher_id: int, incarnation: int) -> int:
     """Distinct, reproducible streams for every searcher and every restart of it."""
     return int(np.random.SeedSequence([seed, searcher_id, incarnation]).generate_state(1)[0])
-
-
-class Searchers(ABC):
-    """What the trainer asks of its searchers, wherever they run."""
-
-    restarts: int = 0  # searcher processes replaced after they died
-    discarded_in_flight: int = 0  # samples made but never handed over: work lost, not data
-
-    @abstractmethod
-    def publish(self, weights: dict[str, np.ndarray], version: int) -> None:
-        """Make these the weights of the next generations."""
-
-    @abstractmethod
-    def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
-        """Generate for `num_prompts` prompts now with the published weights, and wait."""
-
-    @abstractmethod
-    def take_reward_faults(self) -> list[tuple[str, str, int]]:
-        """(function, reason, completions dropped) of the reward faults since the last call."""
-
-    @abstractmethod
-    def total_generated(self) -> int | None:
-        """Samples made over the whole run (None when unknown)."""
-
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the searchers: where each is in its prompt stream."""
-
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's `state_dict()` (before the first generation)."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Stop every searcher."""
-
-
-class AsyncSearchers(Searchers):
-    """Searchers that can also generate without pause, for the asynchronous mode."""
-
-    @abstractmethod
-    def start(self) -> None:
-        """Every searcher generates until closed, adopting weights as they are published."""
-
-    @abstractmethod
-    def collect(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
-        """The samples made since the last call, without waiting on generation in flight."""
-
-
-class LocalSearchers(Searchers):
-    """One searcher in the trainer process: the synchronous mode without Ray."""
-
-    def __init__(self, searcher: Searcher) -> None:
-        self.searcher = searcher
-
-    def publish(self, weights: dict[str, np.ndarray], version: int) -> None:
-        self.searcher.set_weights(weights, version)
-
-    def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
-        return self.searcher.generate(num_prompts)
-
-    def take_reward_faults(self) -> list[tuple[str, str, int]]:
-        return self.searcher.take_reward_faults()
-
-    def total_generated(self) -> int:
-        return self.searcher.num_generated
-
-    def state_dict(self) -> dict[str, Any]:
-        """Stream position and sampling RNG: with them a resumed run draws the same samples."""
-        searcher = self.searcher
-        return {
-            "stream_taken": searcher.stream.taken,
-            "num_generated": searcher.num_generated,
-            "generator": searcher.generator.get_state().tolist(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        searcher = self.searcher
-        searcher.stream = PromptStream(searcher.stream.num_rows, searcher.stream.seed,
-                                       state["stream_taken"])  # fmt: skip
-        searcher.num_generated = state["num_generated"]
-        searcher.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
-
-    def close(self) -> None:
-        """Nothing to release: the searcher lives and ends with this process."""
 
 
 @dataclass
@@ -165,9 +55,11 @@ class RaySearchers(AsyncSearchers):
         config: RunConfig,
         policy_dir: Path,
         task: Task,
-        log_event: EventLog,
+        log_event: EventLogger,
         ledger_dir: Path | None = None,
     ) -> None:
+        # Imported here, not at the top: a run without searcher processes needs no Ray, and Ray
+        # must be imported after `ray_cluster.ray_session` has set its environment.
         import ray
 
         self._ray = ray
@@ -177,7 +69,7 @@ class RaySearchers(AsyncSearchers):
         self.log_event = log_event
         self.timeout = config.ray.sync_timeout_s
         sc = config.searchers
-        self._actor = ray.remote(SearcherWorker).options(
+        self._actor = ray.remote(SearcherActor).options(
             num_cpus=sc.num_cpus, num_gpus=sc.num_gpus, max_concurrency=4, max_restarts=0
         )
         self._rows = ray.put(task.train_rows)  # one copy, shared by every searcher
@@ -238,7 +130,7 @@ class RaySearchers(AsyncSearchers):
 
     # ------------------------------------------------------------------------------ weights
 
-    def publish(self, weights: dict[str, np.ndarray], version: int) -> None:
+    def offer_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
         self._weights = (version, self._ray.put(weights))
         if self._running:
             for slot in self.slots:
@@ -365,7 +257,7 @@ class RaySearchers(AsyncSearchers):
         is the searcher's (seeded as incarnation 0) and continues at `stream_taken`."""
         sc, seed = self.config.searchers, self.config.seed
         return self._actor.remote(
-            self.policy_dir, self._rows, self.reward_fns, search_settings(self.config),
+            self.policy_dir, self._rows, self.reward_fns, SearchSettings.from_config(self.config),
             searcher_id=i, seed=searcher_seed(seed, i, incarnation),
             device=sc.device, num_threads=sc.num_threads or max(1, round(sc.num_cpus)),
             weights_timeout_s=self.timeout, incarnation=incarnation,
@@ -456,41 +348,3 @@ class RaySearchers(AsyncSearchers):
             self.discarded_in_flight += max(0, (generated or 0) - slot.handed)
 
 
-@contextmanager
-def open_searchers(
-    config: RunConfig,
-    policy_dir: Path,
-    tokenizer,
-    task: Task,
-    log_event: EventLog,
-    run_dir: Path,
-    state: dict[str, Any] | None = None,
-) -> Iterator[Searchers]:
-    """The run's searchers, continuing a checkpoint's `state` (they take it before their first
-    generation, so their processes start from it); with Ray, the Ray instance lives exactly as
-    long as they do."""
-    if config.searchers.count == 0:
-        device = resolve_device(config.searchers.device)
-        searcher = Searcher(
-            load_policy(str(policy_dir), device, dtype=config.policy.dtype, lora=config.lora),
-            tokenizer, task.train_rows, task.reward_fns,
-            search_settings(config), seed=config.seed,
-        )  # fmt: skip
-        local = LocalSearchers(searcher)
-        if state:
-            local.load_state_dict(state)
-        yield local
-        return
-    from tba.runtime.ray_cluster import ray_session
-
-    # Searcher ledgers live in the run directory, which only processes on this machine can see.
-    ledger_dir = run_dir / "searchers" if config.ray.address is None else None
-    with ray_session(config):
-        searchers = RaySearchers(config, policy_dir, task, log_event, ledger_dir)
-        if state:
-            searchers.load_state_dict(state)
-        searchers.launch()
-        try:
-            yield searchers
-        finally:
-            searchers.close()

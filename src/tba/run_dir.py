@@ -22,7 +22,7 @@
 <run_dir>/wandb/           with report_to=[wandb]: the Weights & Biases run's local files
 <run_dir>/eval_final.json  written by `tba eval`: the final policy scored after the run
 <run_dir>/eval_snapshots.json  written by `tba eval --snapshots`: the base policy and every
-                           snapshot scored after the run (see tba.scoring)
+                           snapshot scored after the run (see tba.offline_eval)
 """
 
 from __future__ import annotations
@@ -31,17 +31,13 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from tba.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tba.tracking import Trackers
+from tba.tracking import Trackers
 
 
 def create_run_dir(output_dir: str | None, overwrite: bool = False) -> Path:
@@ -176,150 +172,3 @@ def headline_metric(records: list[dict]) -> str | None:
             if key.startswith("eval_"):
                 return key
     return None
-
-
-METRIC_LABELS = {
-    "eval_pass@1": "held-out greedy pass@1", "eval_asr": "attack success rate",
-    "eval_diversity": "attack diversity", "eval_win_rate": "win rate (gold judge)",
-}  # fmt: skip
-X_AXES = {
-    "minutes": "wall-clock minutes of training", "steps": "optimizer steps",
-    "samples": "fresh samples consumed",
-}  # fmt: skip
-
-
-def metric_label(name: str) -> str:
-    return METRIC_LABELS.get(name, name.removeprefix("eval_").replace("_", " "))
-
-
-def metric_curve(records: list[dict], metric: str, x: str = "minutes") -> tuple[list, list]:
-    """(x, value) of every record that holds `metric`, x in `X_AXES`."""
-    totals = samples_consumed(records)
-    points = [(record, total) for record, total in zip(records, totals) if metric in record]
-    xs = {"minutes": [r["time"] / 60 for r, _ in points], "steps": [r["step"] for r, _ in points],
-          "samples": [total for _, total in points]}[x]  # fmt: skip
-    return xs, [r[metric] for r, _ in points]
-
-
-def plot_runs(
-    runs: dict[str, list[dict]], path: Path, metrics: Sequence[str], x: str = "minutes"
-) -> None:
-    """The held-out `metrics` of several runs (label -> metric records), one panel per metric,
-    one line per run, against `x` (minutes, steps or samples)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 1 + 3.2 * len(metrics)), dpi=110,
-                             sharex=True, squeeze=False)  # fmt: skip
-    for ax, metric in zip(axes[:, 0], metrics):
-        for label, records in runs.items():
-            xs, values = metric_curve(records, metric, x)
-            if values:
-                ax.plot(xs, values, "o-", markersize=3, label=label)
-        ax.set_ylabel(metric_label(metric))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[-1, 0].set_xlabel(X_AXES[x])
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def plot_run_dirs(
-    run_dirs: Sequence[Path], path: Path, metrics: Sequence[str] = (), x: str = "minutes"
-) -> list[str]:
-    """`tba plot`: `plot_runs` of these run directories, labelled by their names (by their paths
-    when names repeat); `metrics` default to each run's headline one. Returns the metrics drawn."""
-    names = [run_dir.resolve().name for run_dir in run_dirs]
-    labels = names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
-    runs = {}
-    for label, run_dir in zip(labels, run_dirs):
-        if not (run_dir / "metrics.jsonl").is_file():
-            raise FileNotFoundError(f"{run_dir}: no run there (metrics.jsonl not found)")
-        runs[label] = read_metrics(run_dir / "metrics.jsonl")
-    recorded = {key for records in runs.values() for record in records for key in record}
-    if metrics:
-        metrics = [_recorded_name(name, recorded) for name in metrics]
-    else:
-        metrics = list(dict.fromkeys(filter(None, map(headline_metric, runs.values()))))
-        if not metrics:
-            raise ConfigError("these runs have no held-out evaluation in their metrics.jsonl")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    plot_runs(runs, path, metrics, x)
-    return metrics
-
-
-def _recorded_name(name: str, recorded: set[str]) -> str:
-    """`name` as the runs record it: as given, or with the `eval_` prefix of held-out metrics."""
-    for candidate in (name, f"eval_{name}"):
-        if candidate in recorded:
-            return candidate
-    held_out = sorted(key for key in recorded if key.startswith("eval_") or "pass@" in key)
-    raise ConfigError(f"--metric {name}: no run recorded it (held-out metrics recorded: "
-                      f"{', '.join(held_out) or 'none'})")  # fmt: skip
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_curves(
-    records: list[dict], path: Path, title: str = "", metrics: tuple[str, ...] = ("eval_pass@1",)
-) -> None:
-    """The held-out `metrics` (greedy pass@1 by default) and the reward of new samples against
-    wall-clock minutes; below, how stale the trained samples were (optimizer steps since their
-    weights were published)."""
-    plt = _pyplot()
-    steps = [r for r in records if "reward_mean" in r]
-    fig, (ax, lag) = plt.subplots(
-        2, 1, figsize=(7, 6), dpi=110, sharex=True, gridspec_kw={"height_ratios": [2, 1]}
-    )
-    for name, color in zip(metrics, ("tab:blue", "tab:green", "tab:purple", "tab:brown")):
-        ax.plot(*metric_curve(records, name), "o-", color=color, label=metric_label(name))
-    ax.set_ylabel("held-out metric")
-    ax.set_ylim(0.0, 1.0)
-    ax.grid(alpha=0.3)
-    ax.set_title(title)
-    # The reward of the samples that arrived at each step, on its own axis (rewards may be log
-    # probabilities): what the searchers' policy scores; a batch's own mean mixes in replay.
-    minutes = [r["time"] / 60 for r in steps]
-    reward_axis = ax.twinx()
-    arrived = [r for r in steps if r.get("samples_in")]
-    if arrived:
-        reward_axis.plot([r["time"] / 60 for r in arrived],
-                         _moving_average([r["reward_in"] for r in arrived], 25), color="tab:orange",
-                         label="reward of new samples (25-step average)")  # fmt: skip
-    else:
-        reward_axis.plot(minutes, _moving_average([r["reward_mean"] for r in steps], 25),
-                         color="tab:orange",
-                         label="batch mean reward (25-step average)")  # fmt: skip
-    reward_axis.set_ylabel("reward", color="tab:orange")
-    lines = ax.get_legend_handles_labels()
-    more = reward_axis.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize=8)
-    staleness = [r.get("staleness_steps_mean", 0.0) for r in steps]
-    lag.plot(minutes, [r.get("staleness_steps_max", 0.0) for r in steps], color="tab:red",
-             alpha=0.3, linewidth=0.8, label="max in the batch")  # fmt: skip
-    lag.plot(minutes, _moving_average(staleness, 25), color="tab:red",
-             label="batch mean (25-step average)")  # fmt: skip
-    lag.set_xlabel("wall-clock minutes")
-    lag.set_ylabel("staleness (steps)")
-    lag.grid(alpha=0.3)
-    lag.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over the last `window` values (fewer at the start)."""
-    sums = [0.0]
-    for value in values:
-        sums.append(sums[-1] + value)
-    return [
-        (sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window)
-        for i in range(len(values))
-    ]

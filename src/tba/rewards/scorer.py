@@ -22,11 +22,11 @@ import math
 import numbers
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tba.core import Prompt, RewardFn
 from tba.errors import RewardError
-from tba.tasks import Prompt, RewardFn
 
 
 class _Timeout(Exception):
@@ -102,6 +102,12 @@ def _as_reward(value: Any) -> float:
     return value if math.isfinite(value) else math.nan
 
 
+def total_rewards(parts: Iterable[Sequence[float]]) -> list[float]:
+    """Per completion, the sum of the values of every reward function (`parts`: one list per
+    function), added exactly (`math.fsum`)."""
+    return [math.fsum(values) for values in zip(*parts)]
+
+
 class RewardScorer:
     """Sums the reward functions per completion; NaN marks a completion to drop."""
 
@@ -140,8 +146,7 @@ class RewardScorer:
                     f"reward function {name!r} failed on its last {self.max_failures} calls "
                     f"(searchers.max_reward_failures); last: {reason}"
                 )
-        totals = [math.fsum(values) for values in zip(*parts.values())]
-        return totals, parts, faults, extras
+        return total_rewards(parts.values()), parts, faults, extras
 
     def _call(
         self, fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]

@@ -29,30 +29,31 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tba import evaluation
-from tba.base_policy import resolve_policy
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import Checkpoint, check_compatible, latest_checkpoint, save_checkpoint
 from tba.config import RunConfig, dump_config
+from tba.core import Task
 from tba.errors import CheckpointError, TrainingError
 from tba.evaluation import EvalSettings
 from tba.objectives import BetaSchedule
+from tba.plots import plot_curves
 from tba.policy.model import load_policy, resolve_device, save_policy, snapshot_weights
 from tba.policy.tokenizer import load_tokenizer
 from tba.rng import RandomState
-from tba.rundir import (
+from tba.run_dir import (
     EventLog,
     MetricsLog,
     SampleLog,
     create_run_dir,
-    plot_curves,
     read_metrics,
     save_snapshot,
     truncate_metrics,
 )
 from tba.runtime.feed import FEEDS, make_feed
-from tba.runtime.searchers import Searchers, open_searchers
+from tba.runtime.launch import open_searchers
+from tba.runtime.pool import Searchers
 from tba.tally import Tally
-from tba.tasks import Task, load_task
+from tba.tasks import load_task, resolve_policy
 from tba.tracking import Trackers, open_trackers, require_trackers
 from tba.trainer import Trainer
 

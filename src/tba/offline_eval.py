@@ -24,14 +24,14 @@ from pathlib import Path
 
 from safetensors.numpy import load_file
 
-from tba.base_policy import resolve_policy
 from tba.config import RunConfig, load_config
+from tba.core import Task
 from tba.errors import ConfigError
 from tba.evaluation import EvalSettings, evaluate
 from tba.policy.model import load_policy, resolve_device, set_weights
 from tba.policy.tokenizer import load_tokenizer
-from tba.rundir import read_metrics, samples_consumed
-from tba.tasks import Task, load_task
+from tba.run_dir import read_metrics, samples_consumed
+from tba.tasks import load_task, resolve_policy
 
 FINAL_SCORES = "eval_final.json"
 SNAPSHOT_SCORES = "eval_snapshots.json"
@@ -92,7 +92,7 @@ def run_task(run_dir: Path, config: RunConfig, log: Callable[[str], None]) -> Ta
     if tc.name == "custom" and tc.train_path is None and tc.dataset is None:
         raise ConfigError(
             f"{run_dir}: its task was given in Python (TBATrainer); score it there, with "
-            "trainer.evaluate() or tba.scoring.score_snapshots(run_dir, task=trainer.task)"
+            "trainer.evaluate() or tba.offline_eval.score_snapshots(run_dir, task=trainer.task)"
         )
     return load_task(tc, seed=config.seed, policy_model=config.policy.model,
                      cache_dir=config.pretrain.cache_dir, log=log)  # fmt: skip

@@ -9,13 +9,16 @@ the command line prints it and exits with status 2.
 from __future__ import annotations
 
 import json
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
+
+from tba.config import TaskConfig
 from tba.errors import DatasetError
+from tba.templates import render, template_fields
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -35,6 +38,30 @@ class Source:
             return self.path
         config = f", config {self.dataset_config!r}" if self.dataset_config else ""
         return f"dataset {self.dataset!r} (split {self.split!r}{config})"
+
+
+def sources(config: TaskConfig) -> tuple[Source, Source]:
+    """Where the train and the held-out rows come from."""
+    train = Source(
+        config.train_path,
+        dataset=config.dataset,
+        dataset_config=config.dataset_config,
+        split=config.train_split,
+        key="task.train_path",
+    )
+    if config.eval_dataset is not None:
+        eval_dataset, eval_config = config.eval_dataset, config.eval_dataset_config
+    else:
+        eval_dataset = config.dataset
+        eval_config = config.eval_dataset_config or config.dataset_config
+    held_out = Source(
+        config.eval_path,
+        dataset=eval_dataset,
+        dataset_config=eval_config,
+        split=config.eval_split,
+        key="task.eval_path",
+    )
+    return train, held_out
 
 
 def read_rows(source: Source, limit: int | None = None, cache_dir: str | None = None) -> list[dict]:
@@ -92,8 +119,6 @@ def _read_hub(source: Source, cache_dir: str | None) -> Any:
 
 
 def _load_dataset(*args: Any, **kwargs: Any) -> Any:
-    import datasets
-
     # Its own log lines would repeat what the one-line error says.
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     datasets.utils.logging.disable_progress_bar()
@@ -106,34 +131,6 @@ def _one_line(error: BaseException) -> str:
         error = error.__cause__ or error.__context__
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= 300 else text[:297] + "..."
-
-
-# ---------------------------------------------------------------------------- templates
-
-
-def template_fields(template: str) -> list[str]:
-    """The row fields a prompt template names (`{question}` -> `question`)."""
-    fields = []
-    for _, name, _, _ in string.Formatter().parse(template):
-        if name is None:
-            continue
-        root = name.split(".")[0].split("[")[0]
-        if not root or root.isdigit():
-            raise ValueError(
-                "fields of a prompt template must be named after the row's columns, e.g. "
-                "{question}; write a literal brace as {{ or }}"
-            )
-        fields.append(root)
-    return fields
-
-
-def check_template(template: str) -> None:
-    """Raise ValueError (one line) unless `template` is a valid template with named fields."""
-    template_fields(template)
-
-
-def render(template: str, row: dict) -> str:
-    return template.format_map(row)
 
 
 # ---------------------------------------------------------------------------- rows of a task

@@ -7,7 +7,7 @@ on generation in flight. Weights are offered as an object-store reference and ad
 batches; new samples wait in an outbox until the trainer collects them. A full outbox pauses the
 loop, so memory stays bounded however slow the trainer is.
 
-With a `ledger_path`, the worker records after every batch how many samples it has made and how
+With a `ledger_path`, the actor records after every batch how many samples it has made and how
 far it is in its prompt stream, before the batch can be collected. The file outlives the process,
 so when a searcher (or the whole run) is killed, the trainer can count exactly the samples that
 were made but never handed over: work lost in flight, as opposed to data lost.
@@ -24,16 +24,15 @@ from collections import Counter
 
 import torch
 
-from tba.buffer import Sample
 from tba.config import LoraConfig
+from tba.core import RewardFn, Sample
 from tba.policy.model import load_policy, resolve_device
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.searcher import Searcher, SearchSettings
-from tba.tasks import RewardFn
 
 
-class SearcherWorker:
+class SearcherActor:
     """A `Searcher` in its own process, generating in a background thread (`start`) or one batch
     at a time (`generate_batch`), with the weights the trainer offers."""
 
@@ -139,7 +138,7 @@ class SearcherWorker:
     # ------------------------------------------------------------------------------ internals
 
     def _adopt_offered_weights(self) -> None:
-        import ray
+        import ray  # this process is a Ray actor: Ray is there, and was imported by Ray itself
 
         with self._lock:
             offer, self._offer = self._offer, None

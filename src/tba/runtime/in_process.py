@@ -1,0 +1,51 @@
+"""One searcher inside the trainer process: the synchronous mode without Ray
+(`searchers.count=0`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tba.core import Sample
+from tba.runtime.pool import Searchers
+from tba.searcher import PromptStream, Searcher
+
+
+class InProcessSearchers(Searchers):
+    """One searcher in the trainer process: the synchronous mode without Ray."""
+
+    def __init__(self, searcher: Searcher) -> None:
+        self.searcher = searcher
+
+    def offer_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        self.searcher.set_weights(weights, version)
+
+    def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
+        return self.searcher.generate(num_prompts)
+
+    def take_reward_faults(self) -> list[tuple[str, str, int]]:
+        return self.searcher.take_reward_faults()
+
+    def total_generated(self) -> int:
+        return self.searcher.num_generated
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stream position and sampling RNG: with them a resumed run draws the same samples."""
+        searcher = self.searcher
+        return {
+            "stream_taken": searcher.stream.taken,
+            "num_generated": searcher.num_generated,
+            "generator": searcher.generator.get_state().tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        searcher = self.searcher
+        searcher.stream = PromptStream(searcher.stream.num_rows, searcher.stream.seed,
+                                       state["stream_taken"])  # fmt: skip
+        searcher.num_generated = state["num_generated"]
+        searcher.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+    def close(self) -> None:
+        """Nothing to release: the searcher lives and ends with this process."""
