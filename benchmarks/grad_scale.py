@@ -97,7 +97,7 @@ def drift_table(config, policy_dir, tokenizer, searcher, max_stale: int, eps: fl
     for step in range(1, max_stale + 1):
         groups = to_groups(searcher.generate(tc.num_prompts)[0])
         record = trainer.step(groups, tc.beta)
-        searcher.set_weights(trainer.weights(), step)
+        searcher.set_weights(trainer.weights(), step, step)
         if step in (1, 2, 3, 4, 6, 8, 10, 12) or step == max_stale:
             seq_out, tok_out = ratio_drift(trainer, kept, eps)
             print(f"| {step} | {seq_out:.1%} | {tok_out:.1%} | {record['grad_norm']:.3g} |")

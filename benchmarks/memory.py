@@ -87,7 +87,7 @@ def measure_trainer(args: argparse.Namespace) -> dict:
     groups = fake_groups(tokenizer, args.num_prompts, args.group_size, args.length)
     for _ in range(args.steps):
         trainer.step(groups, beta=0.05)
-    weights, _ = trainer.next_version()
+    weights, _, _ = trainer.next_version()
     return {
         "after_imports": imported,
         "peak": peak_rss_mib(),
@@ -107,7 +107,7 @@ def measure_searcher(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     searcher = Searcher(model, tokenizer, task_rows(64), [last_number_reward], settings)
     searcher.generate(args.num_prompts)
-    searcher.set_weights(load_file(args.payload), version=1)
+    searcher.set_weights(load_file(args.payload), version=1, step=1)
     searcher.generate(args.num_prompts)
     return {"after_imports": imported, "peak": peak_rss_mib(), "end": rss_mib()}
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 import warnings
@@ -82,7 +83,7 @@ from tba.config import ConfigError, RunConfig, dump_config, load_config
 from tba.core import RewardFn, Task
 from tba.policy.model import get_weights, load_model, resolve_device
 from tba.quiet import quiet_libraries
-from tba.rewards.scorer import total_rewards
+from tba.rewards.scorer import RewardScorer
 from tba.run_dir import MetricsLog, save_snapshot
 from tba.tasks import resolve_policy
 from tba.tasks.math.task import math_task
@@ -147,19 +148,21 @@ def make_reward(
 ) -> RewardFn:
     """The project's reward as one TRL reward function: the sum of the task's reward functions,
     replaced for truncated completions as `train.truncated` says (see the module docstring)."""
-    penalize = config.train.truncated == "penalize"
-    penalty = config.train.truncation_penalty
+    rule, penalty = config.train.truncated, config.train.truncation_penalty
+    scorer = RewardScorer(reward_fns, weights=config.task.reward_weights,
+                          timeout_s=config.searchers.reward_timeout_s,
+                          max_failures=config.searchers.max_reward_failures)  # fmt: skip
 
     def task_reward(
         prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs: Any
     ) -> list[float | None]:
         # TRL adds its own kwargs (trainer_state, log_metric, ...); the task sees its columns only.
         data = {key: kwargs[key] for key in columns}
-        parts = [fn(prompts, completions, **data) for fn in reward_fns]
-        totals: list[float | None] = list(total_rewards(parts))
+        totals = [None if math.isnan(t) else t
+                  for t in scorer.score(prompts, completions, completion_ids, data).totals]
         for i, ids in enumerate(completion_ids):
-            if not ids or ids[-1] != eos_id:  # no EOS within max_completion_length
-                totals[i] = penalty if penalize else None
+            if rule != "score" and (not ids or ids[-1] != eos_id):  # no EOS: cut off
+                totals[i] = penalty if rule == "penalize" else None
         counter.count += len(completions)
         return totals
 

@@ -19,11 +19,10 @@ from tba.cli import main
 from tba.config import ConfigError, load_config
 from tba.errors import DatasetError
 from tba.policy.tokenizer import build_char_tokenizer, encode_prompts
-from tba.rewards.scorer import as_reward_inputs
+from tba.rewards.scorer import RewardScorer, as_reward_inputs
 from tba.run_dir import read_metrics
 from tba.tasks import load_task
 from tba.tasks.custom import (
-    SummedReward,
     custom_task,
     import_function,
     prepare_rows,
@@ -153,7 +152,8 @@ def test_tba_trainer_trains_on_conversations_and_rewards_see_them_as_in_trl(
 
 def test_conversations_need_a_tokenizer_with_a_chat_template(tmp_path, tiny_model, tokenizer):
     config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
-    trainer = TBATrainer(model=tiny_model, reward_funcs=lambda p, c, **k: [0.0] * len(c),
+    trainer = TBATrainer(model=tiny_model,
+                         reward_funcs=lambda completions, **k: [0.0] * len(completions),
                          train_dataset=[{"prompt": CONVERSATION}], args=config,
                          processing_class=tokenizer)  # fmt: skip
     with pytest.raises(ConfigError, match="has no chat template, which .* conversational"):
@@ -168,7 +168,8 @@ def test_rewards_are_summed_and_async_functions_are_awaited():
     def length(prompts, completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    assert SummedReward([slow_bonus, length])(["p", "p"], ["a", "abc"]) == [2.0, 4.0]
+    scores = RewardScorer([slow_bonus, length]).score(["p", "p"], ["a", "abc"], [[1], [1]], {})
+    assert scores.totals == [2.0, 4.0]
 
 
 def test_the_custom_task_is_configured_only_with_its_own_keys():
@@ -185,7 +186,7 @@ def test_the_custom_task_is_configured_only_with_its_own_keys():
 
 def test_without_held_out_rows_the_first_training_prompts_are_evaluated():
     rows = [{"prompt": f"p{i}"} for i in range(10)]
-    task = custom_task(rows, None, [lambda p, c, **k: [0.0] * len(c)], num_eval=3)
+    task = custom_task(rows, None, [lambda completions, **k: [0.0] * len(completions)], num_eval=3)
     assert [r["prompt"] for r in task.eval_rows] == ["p0", "p1", "p2"]
     assert task.metrics == ("eval_reward",) and task.evaluate is not None
     task = custom_task(rows, rows[:2], [last_number_reward], eval_func=last_number_reward)
@@ -229,19 +230,18 @@ def test_tba_trainer_takes_a_loaded_model_callables_and_rows(tmp_path, tiny_mode
     assert seen_columns == {"level"}
     assert Path(results["run_dir"]) == tmp_path / "run"
     assert set(results["base"]) == {"eval_reward"} and "eval_reward" in results["final"]
-    assert (tmp_path / "run-base-model" / "config.json").exists()
+    assert (tmp_path / "run" / "base_model" / "config.json").exists()
     assert (tmp_path / "run" / "final" / "config.json").exists()
 
 
 def test_tba_trainer_resumes_a_run_it_started(tmp_path, policy_dir):
     rows = [{"prompt": f"Q{i}\n", "answer": "1"} for i in range(8)]
     config = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"])
-    TBATrainer(str(policy_dir), last_number_reward, rows, args=config).train()
+    TBATrainer(str(policy_dir), last_number_reward, args=config, train_dataset=rows).train()
     run_dir = f"output_dir={tmp_path / 'run'}"
     longer = TBAConfig.from_overrides([*SYNC, "train.max_steps=5", run_dir])
-    results = TBATrainer(str(policy_dir), last_number_reward, rows, args=longer).train(
-        resume_from_checkpoint=True
-    )
+    trainer = TBATrainer(str(policy_dir), last_number_reward, args=longer, train_dataset=rows)
+    results = trainer.train(resume_from_checkpoint=True)
     assert results["steps"] == 5
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
             if "loss" in r] == [1, 2, 3, 4, 5]  # fmt: skip

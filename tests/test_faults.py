@@ -28,6 +28,7 @@ from tba.cli import main
 from tba.config import load_config
 from tba.core import Sample
 from tba.errors import RewardError
+from tba.policy.sampling import Generation
 from tba.rewards.scorer import RewardScorer
 from tba.run_dir import read_metrics
 from tba.runtime.ray_cluster import ray_session
@@ -45,7 +46,7 @@ def ones(prompts, completions, **_):
 
 def score(fn, timeout_s: float = 5.0, max_failures: int = 3):
     scorer = RewardScorer([ones, fn], timeout_s=timeout_s, max_failures=max_failures)
-    return scorer.score(PROMPTS, COMPLETIONS, {})
+    return scorer.score(PROMPTS, COMPLETIONS, [[1]] * 4, {})
 
 
 # ------------------------------------------------------------------------- reward functions
@@ -56,7 +57,7 @@ def score(fn, timeout_s: float = 5.0, max_failures: int = 3):
     [
         (None, "returned None", 4),
         ([1.0, 2.0], "returned 2 values for 4 completions", 4),
-        ([0.0, None, 1.0, 1.0], "returned None (not a finite number) for 1 completions", 1),
+        ([0.0, "x", 1.0, 1.0], "returned 'x' (not a finite number) for 1 completions", 1),
         ([0.0, math.nan, math.inf, 1.0], "returned nan (not a finite number) for 2 completions", 2),
         (3.0, "returned a float, not a list", 4),
     ],
@@ -65,10 +66,26 @@ def test_bad_return_values_drop_the_affected_completions(returned, reason, dropp
     def bad(prompts, completions, **_):
         return returned
 
-    totals, parts, faults, _ = score(bad)
-    assert sum(math.isnan(t) for t in totals) == dropped  # dropped, never scored as 0
-    assert all(t == 1.0 + v for t, v in zip(totals, parts["bad"]) if not math.isnan(t))
-    assert faults == [("bad", reason, dropped)]
+    scores = score(bad)
+    assert sum(math.isnan(t) for t in scores.totals) == dropped  # dropped, never scored as 0
+    assert all(t == 1.0 + v for t, v in zip(scores.totals, scores.parts["bad"])
+               if not math.isnan(t))  # fmt: skip
+    assert scores.faults == [("bad", reason, dropped)]
+
+
+def test_none_means_not_scored_as_in_trl():
+    """A function that applies to some completions only returns None for the others: their
+    reward is what the other functions give; a completion no function scores is dropped."""
+
+    def some(prompts, completions, **_):
+        return [None, 2.0, None, 3.0]
+
+    scores = score(some)
+    assert scores.totals == [1.0, 3.0, 1.0, 4.0] and scores.faults == [] and scores.unscored == 0
+    assert scores.parts["some"] == [None, 2.0, None, 3.0]
+    alone = RewardScorer([some]).score(PROMPTS, COMPLETIONS, [[1]] * 4, {})
+    assert [t if not math.isnan(t) else None for t in alone.totals] == [None, 2.0, None, 3.0]
+    assert alone.unscored == 2 and alone.faults == []
 
 
 def test_a_raising_or_hanging_function_drops_its_call():
@@ -78,14 +95,14 @@ def test_a_raising_or_hanging_function_drops_its_call():
     def hangs(prompts, completions, **_):
         time.sleep(30)
 
-    totals, _, faults, _ = score(raises)
-    assert all(math.isnan(t) for t in totals)
-    assert faults == [("raises", "raised KeyError: 'no such column'", 4)]
+    scores = score(raises)
+    assert all(math.isnan(t) for t in scores.totals)
+    assert scores.faults == [("raises", "raised KeyError: 'no such column'", 4)]
     start = time.time()
-    totals, _, faults, _ = score(hangs, timeout_s=0.2)
+    scores = score(hangs, timeout_s=0.2)
     assert time.time() - start < 5
-    assert all(math.isnan(t) for t in totals)
-    assert faults == [("hangs", "did not return within 0.2 s", 4)]
+    assert all(math.isnan(t) for t in scores.totals)
+    assert scores.faults == [("hangs", "did not return within 0.2 s", 4)]
 
 
 def test_a_function_failing_call_after_call_stops_the_run():
@@ -99,9 +116,9 @@ def test_a_function_failing_call_after_call_stops_the_run():
 
     scorer = RewardScorer([flaky], timeout_s=5.0, max_failures=3)
     for _ in range(5):  # fails, fails, works, fails, fails: never 3 in a row
-        scorer.score(PROMPTS, COMPLETIONS, {})
+        scorer.score(PROMPTS, COMPLETIONS, [[1]] * 4, {})
     with pytest.raises(RewardError, match="'flaky' failed on its last 3 calls.*ValueError: boom"):
-        scorer.score(PROMPTS, COMPLETIONS, {})
+        scorer.score(PROMPTS, COMPLETIONS, [[1]] * 4, {})
 
 
 def test_reward_functions_can_log_extra_columns_like_trl():
@@ -114,28 +131,29 @@ def test_reward_functions_can_log_extra_columns_like_trl():
         return [1.0] * len(completions)
 
     scorer = RewardScorer([logs, plain], timeout_s=5.0, max_failures=3)
-    totals, parts, faults, extras = scorer.score(PROMPTS, COMPLETIONS, {"answer": [1] * 4})
-    assert totals == [1.5] * 4 and faults == []
-    assert extras == {"length": [1, 1, 1, 1]}
+    scores = scorer.score(PROMPTS, COMPLETIONS, [[1]] * 4, {"answer": [1] * 4})
+    assert scores.totals == [1.5] * 4 and scores.faults == []
+    assert scores.extras == {"length": [1, 1, 1, 1]}
 
 
 def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
-    def half_none(prompts, completions, **_):
-        return [None if i % 2 else 1.0 for i in range(len(completions))]
+    def half_nan(prompts, completions, **_):
+        return [math.nan if i % 2 else 1.0 for i in range(len(completions))]
 
     settings = SearchSettings(samples_per_prompt=4, temperature=1.0, max_new_tokens=4,
                               truncated="penalize", truncation_penalty=-1.0)  # fmt: skip
     rows = [{"prompt": "Q1\n"}, {"prompt": "Q2\n"}]
-    searcher = Searcher(tiny_model, tokenizer, rows, [half_none], settings)
+    searcher = Searcher(tiny_model, tokenizer, rows, [half_nan], settings)
     truncated = [False, False, False, False, False, True, False, False]
-    totals, _, _, dropped = searcher._score([0] * 4 + [1] * 4, ["1"] * 8, truncated)
+    out = Generation([[1]] * 8, [0.0] * 8, [[0.0]] * 8, truncated)
+    _, totals, dropped = searcher._score([0] * 4 + [1] * 4, ["1"] * 8, out)
     # Truncated responses get the penalty whatever the reward says; the others need a reward.
     assert [t if not math.isnan(t) else None for t in totals] == [
         1.0, None, 1.0, None, 1.0, -1.0, 1.0, None
     ]  # fmt: skip
     assert dropped == 3
     [(name, reason, affected)] = searcher.take_reward_faults()
-    assert name == "half_none" and affected == 4 and "returned None" in reason
+    assert name == "half_nan" and affected == 4 and "returned nan" in reason
     assert searcher.take_reward_faults() == []
 
     samples, stats = searcher.generate(num_prompts=2)  # a random policy: all truncated, all kept

@@ -20,16 +20,8 @@ import torch
 from huggingface_hub import constants
 from peft.tuners.lora import LoraLayer
 from safetensors.numpy import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from tiny_models import build_model, teach_to_stop, train_tokenizer
+from transformers import PreTrainedTokenizerFast
 
 from tba.cli import main
 from tba.config import ConfigError, LoraConfig, load_config
@@ -43,18 +35,12 @@ from tba.policy.model import (
     policy_state_dict,
     set_weights,
 )
-from tba.policy.sft import sft_loss
 from tba.policy.tokenizer import encode_prompts, load_tokenizer
 from tba.run_dir import read_metrics
 from tba.searcher import Searcher, SearchSettings
-from tba.tasks.math import world as math_world
 from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 ARCHS = ["llama", "gpt2", "qwen2"]
 
 FAST = [
@@ -72,91 +58,6 @@ FAST = [
     "policy.max_new_tokens=8",
     "policy.num_threads=1",
 ]
-
-
-# ---------------------------------------------------------------------------- tiny models
-
-
-def task_texts(count: int = 300) -> tuple[list[str], list[str]]:
-    """Prompts and short answers (`#### n`) of the embedded task."""
-    problems = math_world.problems("train", count, seed=0)
-    return [math_world.format_prompt(p.question) for p in problems], [
-        f"#### {p.answer}" for p in problems
-    ]
-
-
-def train_tokenizer(arch: str) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on the task's text, with each family's special tokens: Llama has
-    BOS, EOS and pad; GPT-2 only `<|endoftext|>` (no pad token, as released); Qwen2 a chat
-    template whose turns end with its EOS, `<|im_end|>`."""
-    specials = {
-        "llama": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
-        "gpt2": {"eos_token": "<|endoftext|>"},
-        "qwen2": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-    }[arch]
-    extra = ["<|im_start|>"] if arch == "qwen2" else []
-    prompts, answers = task_texts()
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=[*specials.values(), *extra], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tokenizer.train_from_iterator(prompts + answers, trainer)
-    if arch == "llama":  # BOS before every text, as Llama's tokenizer does
-        bos = specials["bos_token"]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
-        )
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, additional_special_tokens=extra, **specials
-    )
-    if arch == "qwen2":
-        wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
-
-
-def build_model(arch: str, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
-    vocab, eos = len(tokenizer), tokenizer.eos_token_id
-    torch.manual_seed(0)
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(
-            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
-            pad_token_id=tokenizer.pad_token_id,
-        ))  # fmt: skip
-    if arch == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(
-            vocab_size=vocab, n_positions=256, n_embd=32, n_layer=2, n_head=2,
-            bos_token_id=eos, eos_token_id=eos,
-        ))  # fmt: skip
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-    ))  # fmt: skip
-
-
-def teach_to_stop(model, tokenizer, *, steps: int = 40) -> None:
-    """A few SFT steps on `question -> #### answer<EOS>`, so that sampled responses end within a
-    few tokens about half of the time: rewards then differ within groups (a random model never
-    stops, every response gets the same truncation penalty, and TB has nothing to learn)."""
-    prompts, answers = task_texts(64)
-    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
-    response_ids = [
-        tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        for a in answers
-    ]
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    for step in range(steps):
-        rows = [(step * 16 + i) % len(prompts) for i in range(16)]
-        loss = sft_loss(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], pad)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
 
 
 @pytest.fixture(scope="module")
@@ -485,7 +386,7 @@ def test_lora_sync_sends_only_adapter_tensors(model_dirs):
     # Training moved the adapters only: every base weight is bit for bit what it was.
     after = {n: t for n, t in trainer.model.state_dict().items() if "lora_" not in n}
     assert not changed(base_before, after)
-    weights, version = trainer.next_version()
+    weights, version, step = trainer.next_version()
     adapted = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
     assert len(adapted) == 2 * 7  # 2 blocks x (q, k, v, o, gate, up, down)
     assert len(weights) == 2 * len(adapted)
@@ -494,7 +395,7 @@ def test_lora_sync_sends_only_adapter_tensors(model_dirs):
     full = sum(t.numel() for t in policy_state_dict(trainer.model).values())
     assert payload < full / 4
 
-    searcher.set_weights(weights, version)
+    searcher.set_weights(weights, version, step)
     assert searcher.reference is None  # the base model with adapters off: no second copy
     prompt = searcher.prompt_ids[0]
     responses = [tokenizer("#### 3", add_special_tokens=False)["input_ids"]]

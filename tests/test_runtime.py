@@ -50,7 +50,7 @@ class FakeSearchers:
         self.prompt = 0
         self.seq = 0
 
-    def offer_weights(self, weights, version: int) -> None:
+    def offer_weights(self, weights, version: int, step: int) -> None:
         self.published.append(version)
 
     def start(self) -> None:
@@ -205,7 +205,7 @@ def worker(tmp_path, tiny_model, tokenizer):
 
 def test_searcher_loop_hands_over_each_sample_once_and_bounds_its_outbox(worker):
     # Version 0 is what the worker loaded, so nothing is fetched from an object store here.
-    worker.start(prompts_per_batch=2, max_unsent=12, version=0, refs=[None])
+    worker.start(prompts_per_batch=2, max_unsent=12, version=0, step=0, refs=[None])
     handed: list[Sample] = []
     deadline = time.time() + 30
     while len(handed) < 30 and time.time() < deadline:
@@ -232,7 +232,7 @@ def test_searcher_loop_failure_is_reported_by_collect(worker):
         raise ValueError("reward server down")
 
     worker.searcher.scorer.reward_fns = [broken]
-    worker.start(prompts_per_batch=1, max_unsent=10, version=0, refs=[None])
+    worker.start(prompts_per_batch=1, max_unsent=10, version=0, step=0, refs=[None])
     deadline = time.time() + 30
     # Each failed call only drops its completions; five in a row stop the loop.
     match = "^RewardError: reward function 'broken' failed on its last 5 calls.*reward server down"

@@ -84,7 +84,7 @@ def test_truncated_responses_can_be_dropped(tiny_model, tokenizer):
 def test_new_weights_change_the_version_and_the_policy(tiny_model, tokenizer):
     searcher = Searcher(tiny_model, tokenizer, ROWS, [always_one], settings())
     weights = {k: v * 0.5 for k, v in searcher.policy.state_dict().items()}
-    searcher.set_weights({k: v.numpy() for k, v in weights.items()}, version=3)
+    searcher.set_weights({k: v.numpy() for k, v in weights.items()}, version=3, step=3)
     samples, _ = searcher.generate(num_prompts=1)
     assert all(s.version == 3 for s in samples)
     assert any(abs(s.ref_logp - s.behaviour_logp) > 1e-3 for s in samples)

@@ -108,7 +108,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
 def latest_checkpoint(run_dir: Path) -> Checkpoint:
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
-        raise CheckpointError(f"no checkpoint in {run_dir / 'checkpoints'} to resume from")
+        raise CheckpointError(f"no checkpoint in {run_dir / 'checkpoints'} to resume from: the run "
+                              "stopped before its first one; start it again instead")  # fmt: skip
     return load_checkpoint(checkpoints[-1])
 
 

@@ -14,6 +14,8 @@
     tba config [CONFIG.yaml] [key=value ...]    print the resolved configuration
     tba config --reference                      every setting, its default and meaning: the
                                                 Markdown of docs/configuration.md
+    tba config --trl                            TRL's GRPOConfig arguments and what they become
+                                                (docs/trl.md)
 
 `tba eval` overrides apply on top of the run's config.yaml (`task.num_eval=1024`,
 `eval.batch_size=64`, ...): see `tba.offline_eval`.
@@ -44,6 +46,7 @@ from tba.loop import train
 from tba.plots import plot_run_dirs
 from tba.quiet import quiet_libraries
 from tba.tasks import resolve_policy
+from tba.trl_args import reference_page as trl_reference_page
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--reference", action="store_true",
                 help="print every setting with its default and meaning (docs/configuration.md)",
+            )  # fmt: skip
+            command.add_argument(
+                "--trl", action="store_true",
+                help="print TRL's GRPOConfig arguments and what they become (docs/trl.md)",
             )  # fmt: skip
         if name == "train":
             command.add_argument(
@@ -143,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             path, overrides = _resume_config(resume, path, overrides)
         config = load_config(path, overrides)
         if options.command == "config":
-            print(reference_page() if options.reference else dump_config(config), end="")
+            if options.trl:
+                print(trl_reference_page(), end="")
+            else:
+                print(reference_page() if options.reference else dump_config(config), end="")
             return 0
         quiet_libraries()
         console = Console(stderr=True)

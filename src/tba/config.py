@@ -8,6 +8,7 @@ allowed; the CLI prints that line and exits with status 2.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,6 +48,10 @@ class PolicyConfig(Section):
         1.0, gt=0, description="sampling temperature, also used in log-probs"
     )
     max_new_tokens: int = Field(40, ge=1, description="response length limit, EOS included")
+    max_prompt_length: int | None = Field(
+        None, ge=1, description="prompts longer than this many tokens keep their last ones "
+        "(null: prompts are never cut)",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch threads of the trainer (default: all cores; async on "
         "a local instance: the cores the searchers do not reserve)",
@@ -160,6 +165,10 @@ class TaskConfig(Section):
         "auto", description="device of the reward models in each process, as policy.device"
     )
     reward_batch_size: int = Field(32, ge=1, description="texts per reward-model forward pass")
+    reward_weights: list[float] | None = Field(
+        None, description="one weight per reward function: a completion's reward is the "
+        "weighted sum of the functions' values (default: all 1)",
+    )
     reward_funcs: list[str] = Field(
         [], description="custom: reward functions `module:function` (a module on the Python "
         "path or a `.py` file), or sequence-classification reward models (Hub id or directory); "
@@ -240,7 +249,13 @@ class TrainConfig(Section):
         "`current` policy's (every baseline then targets TB's distribution off-policy too, and "
         "RLOO's gradient is TB's) or the `behaviour` policy's, fixed at sampling (TRL's RLOO)",
     )
-    max_steps: int = Field(1000, ge=1, description="optimizer steps (the run ends at either limit)")
+    max_steps: int = Field(
+        1000, ge=1, description="optimizer steps (the run ends at the first limit reached)"
+    )
+    num_epochs: float | None = Field(
+        None, gt=0, description="passes over the training prompts: when set, the step limit is "
+        "num_epochs * (training prompts) / num_prompts instead of max_steps",
+    )
     max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
     learning_rate: float = Field(5e-5, gt=0, description="Adam learning rate of the policy")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup")
@@ -263,8 +278,10 @@ class TrainConfig(Section):
         0.0, ge=0, description="async: when fewer than m*B prompts with fresh samples are in the "
         "buffer, wait up to this long for more before filling the batch from replay",
     )
-    truncated: Literal["penalize", "drop"] = Field(
-        "penalize", description="responses without EOS: reward `truncation_penalty`, or drop"
+    truncated: Literal["score", "penalize", "drop"] = Field(
+        "score", description="responses without EOS: scored by the reward functions like any "
+        "other (as TRL does), rewarded `truncation_penalty`, or dropped (TRL's "
+        "`mask_truncated_completions`)",
     )
     truncation_penalty: float = Field(-1.0, description="reward of a response without EOS")
     max_nonfinite_steps: int = Field(
@@ -421,6 +438,10 @@ class RunConfig(Section):
     ray: RayConfig = RayConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    log_completions: bool = Field(
+        False, description="write every new sample's prompt, completion, reward and reward "
+        "parts to RUN_DIR/completions.jsonl",
+    )
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         [], description="also log metrics to these (`tensorboard`: event files in "
         "RUN_DIR/tensorboard, needs `pip install tensorboard`; `wandb`: a Weights & Biases run "
@@ -440,7 +461,15 @@ class RunConfig(Section):
 
 # Defaults that differ per task, applied where the file and the overrides leave a key unset.
 TASK_PRESETS: dict[str, dict[str, Any]] = {
+    # The embedded math task and the paper's: a response cut off at the length limit has no
+    # answer line, and gets the truncation penalty rather than the verifier's guess.
+    "math": {"train.truncated": "penalize"},
+    "gsm8k": {"train.truncated": "penalize"},
+    "competition_math": {"train.truncated": "penalize"},
+    # The paper's non-EOS penalty for summaries.
+    "tldr": {"train.truncated": "penalize"},
     "redteam": {
+        "train.truncated": "penalize",
         "policy.model": "builtin:redteam",
         "policy.max_new_tokens": 12,
         "train.num_prompts": 4,
@@ -461,6 +490,7 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
         "task.num_eval": 512,
     },
     "summarize": {
+        "train.truncated": "penalize",  # the paper's non-EOS penalty
         "policy.model": "builtin:summarize",
         "policy.max_new_tokens": 24,  # the world's longest reference is 20 words
         "train.learning_rate": 1e-4,
@@ -480,18 +510,24 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """Defaults (the task's own where `TASK_PRESETS` has some), then the YAML file (if any), then
     `a.b=value` overrides (values parsed as YAML)."""
-    data = _read_yaml(Path(path)) if path is not None else {}
-    for override in overrides:
-        key, value = _parse_override(override)
-        _set_nested(data, key, value)
+    data = apply_overrides(_read_yaml(Path(path)) if path is not None else {}, overrides)
     task = data.get("task", {}).get("name") if isinstance(data.get("task"), dict) else None
-    for key, value in TASK_PRESETS.get(task, {}).items():
+    for key, value in TASK_PRESETS.get(task or TaskConfig().name, {}).items():
         if not _has_nested(data, key):
             _set_nested(data, key, value)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(_first_error_line(error)) from None
+        raise ConfigError(first_error_line(error)) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """`data` (nested settings) with `a.b=value` strings applied in order (values parsed as
+    YAML)."""
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_nested(data, key, value)
+    return data
 
 
 class _Loader(yaml.SafeLoader):
@@ -557,7 +593,7 @@ def _has_nested(data: dict[str, Any], dotted_key: str) -> bool:
     return True
 
 
-def _first_error_line(error: ValidationError) -> str:
+def first_error_line(error: ValidationError) -> str:
     """One line: the dotted key, what is wrong, and what was given."""
     first = error.errors()[0]
     key = ".".join(str(part) for part in first["loc"]) or "config"

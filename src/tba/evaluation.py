@@ -2,6 +2,11 @@
 
 pass@k here is the fraction of problems with at least one correct answer among k samples (the
 plain estimator with n = k; the unbiased estimator of Chen et al. equals it when n = k).
+
+The user's functions (a task's `correct_fn`, or its reward functions for `eval_reward`) are
+called as in training (`tba.rewards.scorer`: TRL's keyword contract, a timeout, faults counted).
+A completion a function could not score counts as wrong, and `eval_unscored` says how many there
+were; a function that fails on every completion stops the run with one line (`RewardError`).
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tba.config import RunConfig
 from tba.core import RewardFn, Task
-from tba.policy.sampling import generate_texts
+from tba.policy.sampling import generate_batched
 from tba.policy.tokenizer import encode_prompts
-from tba.rewards.scorer import as_reward_inputs, call_reward
+from tba.rewards.scorer import RewardScorer, Scores, TrainerState
 
 
 @dataclass(frozen=True)
@@ -29,14 +35,24 @@ class EvalSettings:
     pass_k: int = 16
     num_pass_k: int = 128  # problems of the pass@k estimate
     full: bool = False  # the costly metrics too (pass@k): at the start and the end of a run
+    max_prompt_length: int | None = None
+    reward_timeout_s: float = 60.0
+    reward_weights: tuple[float, ...] | None = None
+    step: int = 0  # optimizer steps taken by the evaluated policy
+    max_steps: int = 0
 
     @classmethod
-    def from_config(cls, config, full: bool = False) -> EvalSettings:
+    def from_config(cls, config: RunConfig, full: bool = False, step: int = 0) -> EvalSettings:
+        weights = config.task.reward_weights
         return cls(
             max_new_tokens=config.policy.max_new_tokens, temperature=config.policy.temperature,
             batch_size=config.eval.batch_size, seed=config.seed,
             chat_template=config.policy.chat_template, pass_k=config.eval.pass_k,
             num_pass_k=config.task.num_eval_pass_k, full=full,
+            max_prompt_length=config.policy.max_prompt_length,
+            reward_timeout_s=config.searchers.reward_timeout_s,
+            reward_weights=tuple(weights) if weights is not None else None,
+            step=step, max_steps=config.train.max_steps,
         )  # fmt: skip
 
 
@@ -47,84 +63,44 @@ def evaluate(
     on `task.eval_rows` (and, with `settings.full`, sampled pass@k and pass@1)."""
     if task.evaluate is not None:
         return task.evaluate(model, tokenizer, settings)
-    result = {
-        "eval_pass@1": greedy_pass_at_1(
-            model, tokenizer, task.eval_rows, task.correct_fn,
-            max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
-            chat_template=settings.chat_template,
-        )
-    }  # fmt: skip
+    scores = score_completions(model, tokenizer, task.eval_rows, [task.correct_fn], settings,
+                               greedy=True)  # fmt: skip
+    result = {"eval_pass@1": _mean(_correct(scores))} | _unscored(scores, "eval_unscored")
     if settings.full:
-        result |= sampled_pass_at_k(
-            model, tokenizer, task.eval_rows[: settings.num_pass_k], task.correct_fn,
-            k=settings.pass_k, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, seed=settings.seed,
-            batch_size=2 * settings.batch_size, chat_template=settings.chat_template,
-        )  # fmt: skip
+        result |= sampled_pass_at_k(model, tokenizer, task.eval_rows[: settings.num_pass_k],
+                                    task.correct_fn, settings)  # fmt: skip
     return result
 
 
-def _scores(
+def score_completions(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
-    score_fn: RewardFn,
+    reward_fns: list[RewardFn],
+    settings: EvalSettings,
     *,
-    max_new_tokens: int,
-    temperature: float,
     greedy: bool,
-    batch_size: int,
     generator: torch.Generator | None = None,
-    chat_template: bool = False,
-) -> list[float]:
-    """`score_fn` of one completion per row (the row's other columns passed on)."""
+    weights: tuple[float, ...] | None = None,
+    batch_size: int | None = None,
+) -> Scores:
+    """One completion per row (greedy, or sampled at the settings' temperature), scored by
+    `reward_fns` with the row's other columns, as training scores them."""
     prompts = [row["prompt"] for row in rows]
-    completions = generate_texts(
-        model, tokenizer, encode_prompts(tokenizer, prompts, chat_template=chat_template),
-        max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-        generator=generator, batch_size=batch_size,
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=settings.chat_template,
+                                max_length=settings.max_prompt_length)  # fmt: skip
+    completion_ids = generate_batched(
+        model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
+        temperature=1.0 if greedy else settings.temperature, greedy=greedy, generator=generator,
+        batch_size=batch_size or settings.batch_size,
     )  # fmt: skip
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    prompts, completions = as_reward_inputs(prompts, completions)
-    return [float(s) for s in call_reward(score_fn, prompts, completions, **columns)]
-
-
-def _correct(model, tokenizer, rows: list[dict], correct_fn: RewardFn, **options) -> list[bool]:
-    return [score > 0.5 for score in _scores(model, tokenizer, rows, correct_fn, **options)]
-
-
-def greedy_scores(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: list[dict],
-    score_fn: RewardFn,
-    *,
-    max_new_tokens: int,
-    batch_size: int = 256,
-    chat_template: bool = False,
-) -> list[float]:
-    """`score_fn` of the greedy completion of each row."""
-    return _scores(
-        model, tokenizer, rows, score_fn, max_new_tokens=max_new_tokens, temperature=1.0,
-        greedy=True, batch_size=batch_size, chat_template=chat_template,
-    )  # fmt: skip
-
-
-def greedy_pass_at_1(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: list[dict],
-    correct_fn: RewardFn,
-    *,
-    max_new_tokens: int,
-    batch_size: int = 256,
-    chat_template: bool = False,
-) -> float:
-    correct = _correct(
-        model, tokenizer, rows, correct_fn, max_new_tokens=max_new_tokens, temperature=1.0,
-        greedy=True, batch_size=batch_size, chat_template=chat_template,
-    )  # fmt: skip
-    return sum(correct) / len(correct)
+    # A function that fails on every completion of a held-out set is broken: one call is enough.
+    scorer = RewardScorer(reward_fns, weights=weights, timeout_s=settings.reward_timeout_s,
+                          max_failures=1)  # fmt: skip
+    state = TrainerState(settings.step, settings.max_steps)
+    return scorer.score(prompts, completions, completion_ids, columns, state)
 
 
 def sampled_pass_at_k(
@@ -132,24 +108,29 @@ def sampled_pass_at_k(
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
     correct_fn: RewardFn,
-    *,
-    k: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int = 0,
-    batch_size: int = 512,
-    chat_template: bool = False,
+    settings: EvalSettings,
 ) -> dict[str, float]:
     """pass@k and the mean accuracy of single samples (pass@1 sampled), from k samples each."""
+    k = settings.pass_k
     repeated = [row for row in rows for _ in range(k)]
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    correct = _correct(
-        model, tokenizer, repeated, correct_fn, max_new_tokens=max_new_tokens,
-        temperature=temperature, greedy=False, batch_size=batch_size, generator=generator,
-        chat_template=chat_template,
-    )  # fmt: skip
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(settings.seed)
+    scores = score_completions(model, tokenizer, repeated, [correct_fn], settings, greedy=False,
+                               generator=generator, batch_size=2 * settings.batch_size)  # fmt: skip
+    correct = _correct(scores)
     per_problem = [any(correct[i * k : (i + 1) * k]) for i in range(len(rows))]
-    return {
-        f"pass@{k}": sum(per_problem) / len(rows),
-        "sampled_pass@1": sum(correct) / len(correct),
-    }
+    return {f"pass@{k}": _mean(per_problem), "sampled_pass@1": _mean(correct)}
+
+
+def _correct(scores: Scores) -> list[bool]:
+    """Correct: a score above 0.5 (a completion the function could not score is not)."""
+    return [score > 0.5 for score in scores.totals]
+
+
+def _unscored(scores: Scores, name: str) -> dict[str, float]:
+    """`{name: completions without a usable score}`, when there were some."""
+    missing = sum(score != score for score in scores.totals)  # NaN
+    return {name: float(missing)} if missing else {}
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values)

@@ -15,10 +15,11 @@ goes and at exit; `train(..., resume=True)` continues the run in `output_dir` fr
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from tba import evaluation
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import Checkpoint, check_compatible, latest_checkpoint, save_checkpoint
-from tba.config import RunConfig, dump_config
+from tba.config import RunConfig, TrainConfig, dump_config
 from tba.core import Task
 from tba.errors import CheckpointError, TrainingError
 from tba.evaluation import EvalSettings
@@ -58,8 +59,11 @@ from tba.tracking import Trackers, open_trackers, require_trackers
 from tba.trainer import Trainer
 
 
-def evaluate(model, tokenizer, task: Task, config: RunConfig, *, pass_k: bool) -> dict[str, float]:
-    return evaluation.evaluate(model, tokenizer, task, EvalSettings.from_config(config, pass_k))
+def evaluate(trainer: Trainer, tokenizer, task: Task, config: RunConfig, *, pass_k: bool
+             ) -> dict[str, float]:  # fmt: skip
+    """The task's held-out metrics of the trainer's policy (`pass_k`: the costly ones too)."""
+    settings = EvalSettings.from_config(config, pass_k, step=trainer.step_count)
+    return evaluation.evaluate(trainer.model, tokenizer, task, settings)
 
 
 def trainer_threads(config: RunConfig) -> int | None:
@@ -111,10 +115,13 @@ def stop_on_interrupt() -> Iterator[threading.Event]:
 def train(
     config: RunConfig, console: Console | None = None, *, resume: bool = False,
     overwrite: bool = False, task: Task | None = None,
+    save_policy: Callable[[Path], None] | None = None,
 ) -> Path:
     """Train as `config` says, in `config.output_dir`; `resume`: continue the run there from its
     newest checkpoint; `overwrite`: replace a run already there; `task`: train on this task
-    instead of the one `config.task` describes (the Python API's own data and rewards)."""
+    instead of the one `config.task` describes (the Python API's own data and rewards);
+    `save_policy(directory)`: writes the starting policy to `policy.model` once the run directory
+    exists (a model the Python API was given in memory, kept with the run)."""
     console = console or Console(stderr=True)
     threads = trainer_threads(config)
     if threads:
@@ -124,7 +131,9 @@ def train(
         task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
                          cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
     require_trackers(config.report_to)
-    policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
+    # So is the model, unless it comes with the run (`save_policy`) and is only written below.
+    if save_policy is None:
+        policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     checkpoint = None
     if resume:
         run_dir = Path(config.output_dir)
@@ -132,7 +141,11 @@ def train(
         check_compatible(checkpoint.state["config"], config.model_dump(), checkpoint.path)
         truncate_metrics(run_dir / "metrics.jsonl", checkpoint.step)
     else:
-        run_dir = create_run_dir(config.output_dir, overwrite)
+        run_dir = create_run_dir(config.output_dir, overwrite, console.log)
+    if save_policy is not None:
+        if not (Path(config.policy.model) / "config.json").exists():
+            save_policy(Path(config.policy.model))
+        policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     (run_dir / "config.yaml").write_text(dump_config(config))
     random_state = RandomState(config.seed)
     tokenizer = load_tokenizer(
@@ -148,7 +161,7 @@ def train(
         with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
                             saved_searchers) as searchers:  # fmt: skip
             if checkpoint is None:
-                base = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+                base = evaluate(trainer, tokenizer, task, config, pass_k=True)
             else:
                 base = checkpoint.state["base"]
                 events("resumed", step=checkpoint.step, checkpoint=checkpoint.path.name,
@@ -158,7 +171,7 @@ def train(
                 loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
                                  run_dir, events, trackers, base, checkpoint)  # fmt: skip
                 loop.run(console, stop)
-        final = evaluate(trainer.model, tokenizer, task, config, pass_k=True)
+        final = evaluate(trainer, tokenizer, task, config, pass_k=True)
         summary = {"base": base, "final": final, **loop.summary()}
         with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
             metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60,
@@ -172,7 +185,7 @@ def train(
 
 
 class TrainLoop:
-    """Steps until `max_steps`, `max_minutes` or Ctrl-C, checkpointing on the way.
+    """Steps until `max_steps` (or `num_epochs`), `max_minutes` or Ctrl-C, checkpointing on the way.
 
     Everything the run carries from step to step is in `state_dict()`, so that a run resumed from
     a checkpoint continues with the same weights, buffer, sampler, counters and clock."""
@@ -198,12 +211,20 @@ class TrainLoop:
         tc = config.train
         self.buffer = ReplayBuffer.from_config(config.buffer)
         self.feed = make_feed(config, searchers, trainer, self.buffer, events)
-        self.sample_log = None
+        self.sample_logs = []
         if task.export_samples:
-            self.sample_log = SampleLog(run_dir / task.export_samples, tokenizer, task.annotate)
-            self.feed.on_merge = lambda samples: self.sample_log.write(samples, trainer.step_count)
+            self.sample_logs.append(SampleLog(run_dir / task.export_samples, tokenizer,
+                                              annotate=task.annotate))  # fmt: skip
+        if config.log_completions:
+            prompts = [row["prompt"] for row in task.train_rows]
+            self.sample_logs.append(SampleLog(run_dir / "completions.jsonl", tokenizer,
+                                              distinct=False, prompts=prompts))  # fmt: skip
+        for log in self.sample_logs:
+            self.feed.on_merge.append(lambda samples, log=log: log.write(samples,
+                                                                         trainer.step_count))
         self.beta_at = BetaSchedule(tc.beta, tc.beta_end, tc.beta_start_frac, tc.beta_end_frac)
         self.max_seconds = tc.max_minutes * 60 if tc.max_minutes else float("inf")
+        self.max_steps = step_limit(tc, len(task.train_rows))
         minutes = config.eval.snapshot_minutes
         self.snapshot_every = minutes * 60 if minutes else None
         self.next_snapshot = self.snapshot_every
@@ -230,7 +251,6 @@ class TrainLoop:
     # ------------------------------------------------------------------------------ the loop
 
     def run(self, console: Console, stop: threading.Event) -> None:
-        tc = self.config.train
         progress = Progress(
             TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed:.0f}"),
             TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
@@ -240,11 +260,11 @@ class TrainLoop:
         with MetricsLog(self.run_dir / "metrics.jsonl", self.trackers) as metrics, progress:
             if first_step == 1:
                 metrics.write({"step": 0, "time": 0.0, **self.base})
-            bar = progress.add_task("train", total=tc.max_steps, completed=first_step - 1,
+            bar = progress.add_task("train", total=self.max_steps, completed=first_step - 1,
                                     status="filling the buffer")  # fmt: skip
             self.start = time.time() - self.elapsed
             self.warmup_seconds += self.feed.start(stop)
-            for step in range(first_step, tc.max_steps + 1):
+            for step in range(first_step, self.max_steps + 1):
                 if time.time() - self.start >= self.max_seconds or stop.is_set():
                     break
                 record = self._step(step, stop)
@@ -268,8 +288,8 @@ class TrainLoop:
                 metrics.write({"step": self.trainer.step_count, "time": self.train_seconds,
                                "snapshot": snapshot})  # fmt: skip
         self.save_checkpoint(self.trainer.step_count)
-        if self.sample_log is not None:
-            self.sample_log.close()
+        for log in self.sample_logs:
+            log.close()
         self.stopped_by_user = stop.is_set()
         if self.stopped_by_user:
             self.events("interrupted", step=self.trainer.step_count)
@@ -284,7 +304,7 @@ class TrainLoop:
             return None
         batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.random.sampler)
         made_of = self.tally.batch(batch, trainer)  # before the step moves the trainer's clock
-        beta = self.beta_at(max((step - 1) / tc.max_steps, elapsed / self.max_seconds))
+        beta = self.beta_at(max((step - 1) / self.max_steps, elapsed / self.max_seconds))
         record |= {
             "beta": beta,
             "reward_mean": float(np.mean([s.reward for group in batch.groups for s in group])),
@@ -295,7 +315,7 @@ class TrainLoop:
         eval_seconds = 0.0
         if step % self.config.eval.every == 0:
             eval_start = time.time()
-            self.last_eval = evaluate(trainer.model, self.tokenizer, self.task, self.config,
+            self.last_eval = evaluate(trainer, self.tokenizer, self.task, self.config,
                                       pass_k=False)  # fmt: skip
             record |= self.last_eval
             eval_seconds = time.time() - eval_start
@@ -408,11 +428,20 @@ class TrainLoop:
             "evicted_stale": counts["stale_evicted"],
             "evicted_capacity": counts["capacity_evicted"],
             "reward_dropped": counts["reward_dropped"],
+            "reward_unscored": counts["reward_unscored"],
             "reward_faults": dict(self.feed.reward_faults),
             "nonfinite_steps_skipped": self.trainer.skipped_steps,
             "checkpoint_failures": self.checkpoint_failures,
             "searcher_restarts": searchers.restarts,
         }
+
+
+def step_limit(train: TrainConfig, num_prompts: int) -> int:
+    """The run's last optimizer step: `train.max_steps`, or with `train.num_epochs` that many
+    passes over the `num_prompts` training prompts, `train.num_prompts` of them per step."""
+    if train.num_epochs is None:
+        return train.max_steps
+    return max(1, math.ceil(train.num_epochs * num_prompts / train.num_prompts))
 
 
 def save_results(

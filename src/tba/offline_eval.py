@@ -20,6 +20,7 @@ there: pass it as `task=trainer.task`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from safetensors.numpy import load_file
@@ -50,7 +51,8 @@ def score_final(
     records = read_metrics(run_dir / "metrics.jsonl")
     task = task or run_task(run_dir, config, log)
     model, tokenizer = load_scored_policy(final, config)
-    metrics = evaluate(model, tokenizer, task, EvalSettings.from_config(config, full=True))
+    settings = EvalSettings.from_config(config, full=True, step=records[-1]["step"])
+    metrics = evaluate(model, tokenizer, task, settings)
     last = records[-1]
     return point(last["time"] / 60, last["step"], samples_consumed(records)[-1], task, metrics)
 
@@ -75,7 +77,7 @@ def score_snapshots(
     curve = [point(0.0, 0, 0, task, evaluate(model, tokenizer, task, settings))]
     for record, samples in snapshots:
         set_weights(model, load_file(run_dir / record["snapshot"]))
-        metrics = evaluate(model, tokenizer, task, settings)
+        metrics = evaluate(model, tokenizer, task, replace(settings, step=record["step"]))
         curve.append(point(record["time"] / 60, record["step"], samples, task, metrics))
     return curve
 

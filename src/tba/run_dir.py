@@ -10,6 +10,9 @@
                            (weight versions and optimizer steps), fresh and repeated groups
 <run_dir>/attacks.jsonl    (red-teaming) every distinct attack the searchers made, with its
                            reward, toxicity and, in the embedded world, the modes it triggers
+<run_dir>/completions.jsonl  with log_completions=true: every new sample's prompt, completion,
+                           reward and reward parts, step, weight version, truncation
+<run_dir>/base_model/      the starting policy, when the Python API was given a loaded model
 <run_dir>/snapshots/       policy weights every `eval.snapshot_minutes`, if asked (fp32, keys
                            of the base model; with LoRA the adapters merged in)
 <run_dir>/curves.png       held-out pass@1 and mean reward against wall-clock minutes, and the
@@ -39,19 +42,57 @@ from safetensors.numpy import save_file
 
 from tba.tracking import Trackers
 
+# What a run writes into its directory: what `--overwrite`, or a new start after a run that never
+# checkpointed, removes (and nothing else that may be in the directory).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "eval.json", "curves.png",
+             "attacks.jsonl", "completions.jsonl", "eval_final.json", "eval_snapshots.json",
+             "checkpoints", "searchers", "snapshots", "final", "tensorboard", "wandb",
+             "base_model")  # fmt: skip
 
-def create_run_dir(output_dir: str | None, overwrite: bool = False) -> Path:
-    """A new run directory; one that already holds a run is refused unless `overwrite`."""
+
+class RunExistsError(FileExistsError):
+    """The run directory holds a run to resume or one that ended: starting anew would lose it.
+    `advice` says how to go on, in the words of the caller (the command line's by default)."""
+
+    COMMAND_LINE = ("continue it with `tba train --resume {path}`, replace it with --overwrite, "
+                    "or choose another output_dir")  # fmt: skip
+
+    def __init__(self, path: Path, advice: str = COMMAND_LINE) -> None:
+        super().__init__(f"run directory {path} already holds a run; {advice.format(path=path)}")
+        self.path = path
+
+
+def holds_run(path: Path) -> bool:
+    """A run that can be resumed (a complete checkpoint) or that ended (eval.json, final/)."""
+    checkpoints = path / "checkpoints"
+    resumable = checkpoints.is_dir() and any(checkpoints.glob("step*/state.json"))
+    return resumable or (path / "eval.json").exists() or (path / "final").is_dir()
+
+
+def create_run_dir(
+    output_dir: str | None, overwrite: bool = False, log: Callable[[str], None] = print
+) -> Path:
+    """A new run directory. One that holds a run (`holds_run`) is refused unless `overwrite`; the
+    files of a run that stopped before its first checkpoint (a failed start) are replaced."""
     path = Path(output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if holds_run(path) and not overwrite:
+        raise RunExistsError(path)
     if (path / "config.yaml").exists() or (path / "metrics.jsonl").exists():
-        if not overwrite:
-            raise FileExistsError(
-                f"run directory {path} already holds a run; continue it with `tba train --resume "
-                f"{path}`, replace it with --overwrite, or choose another output_dir"
-            )
-        shutil.rmtree(path)
+        if not holds_run(path):
+            log(f"replacing the run in {path}: it stopped before its first checkpoint")
+        remove_run(path)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def remove_run(path: Path) -> None:
+    """The files a run wrote into `path` (`RUN_FILES`), and nothing else."""
+    for name in RUN_FILES:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -110,14 +151,20 @@ class EventLog:
 
 
 class SampleLog:
-    """Every distinct completion the searchers made, written once to a JSON-lines file as it
-    first arrives: the text, the step, its reward, the reward's parts and extras, and whatever
-    `annotate(text)` adds. A resumed run reads the file back and goes on appending."""
+    """New samples written to a JSON-lines file as they arrive: the completion's text, the step,
+    its reward, the reward's parts and extras, whatever `annotate(text)` adds, and with `prompts`
+    (the training rows' prompts, by prompt id) the prompt. `distinct`: each distinct completion
+    once (attacks.jsonl); otherwise every sample (completions.jsonl). A resumed run goes on
+    appending."""
 
-    def __init__(self, path: Path, tokenizer, annotate: Callable[[str], dict] | None = None):
+    def __init__(
+        self, path: Path, tokenizer, *, annotate: Callable[[str], dict] | None = None,
+        distinct: bool = True, prompts: list | None = None,
+    ) -> None:  # fmt: skip
         self.path, self.tokenizer, self.annotate = path, tokenizer, annotate
+        self.distinct, self.prompts = distinct, prompts
         self.seen: set[str] = set()
-        if path.exists():
+        if distinct and path.exists():
             self.seen = {json.loads(line)["completion"] for line in path.read_text().splitlines()
                          if line.strip()}  # fmt: skip
         self.file = path.open("a")
@@ -127,11 +174,15 @@ class SampleLog:
                                             skip_special_tokens=True)  # fmt: skip
         for sample, text in zip(samples, texts):
             text = text.strip()
-            if text in self.seen:
-                continue
-            self.seen.add(text)
+            if self.distinct:
+                if text in self.seen:
+                    continue
+                self.seen.add(text)
             record = {"completion": text, "step": step, "reward": sample.reward,
                       **sample.reward_parts, **sample.extras}  # fmt: skip
+            if self.prompts is not None:
+                record = {"prompt": self.prompts[sample.prompt_id], **record,
+                          "truncated": sample.truncated, "version": sample.version}  # fmt: skip
             if self.annotate is not None:
                 record |= self.annotate(text)
             self.file.write(json.dumps(record) + "\n")

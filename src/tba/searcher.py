@@ -21,9 +21,9 @@ from tba.config import RunConfig
 from tba.core import RewardFn, Sample
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
-from tba.policy.sampling import generate
+from tba.policy.sampling import Generation, generate
 from tba.policy.tokenizer import encode_prompts
-from tba.rewards.scorer import RewardScorer
+from tba.rewards.scorer import RewardScorer, Scores, TrainerState
 
 
 @dataclass
@@ -31,11 +31,14 @@ class SearchSettings:
     samples_per_prompt: int
     temperature: float  # of the policy: the log-probs of the reference are taken at it
     max_new_tokens: int
-    truncated: str  # "penalize" or "drop"
+    truncated: str  # responses without EOS: "score" as any other, "penalize" or "drop"
     truncation_penalty: float
     chat_template: bool = False  # prompts wrapped in the tokenizer's chat template
     reward_timeout_s: float = 60.0
     max_reward_failures: int = 5
+    reward_weights: list[float] | None = None  # one per reward function (None: all 1)
+    max_prompt_length: int | None = None  # longer prompts keep their last tokens
+    max_steps: int = 0  # the run's step limit, for the reward functions' `trainer_state`
     # Exploration: the searcher samples at this temperature instead (None: `temperature`). The
     # samples' behaviour log-probs are the sampler's, at this temperature.
     sample_temperature: float | None = None
@@ -53,6 +56,9 @@ class SearchSettings:
             max_reward_failures=config.searchers.max_reward_failures,
             chat_template=config.policy.chat_template,
             sample_temperature=config.searchers.temperature,
+            reward_weights=config.task.reward_weights,
+            max_prompt_length=config.policy.max_prompt_length,
+            max_steps=tc.max_steps,
         )
 
 
@@ -106,26 +112,30 @@ class Searcher:
         self.tokenizer = tokenizer
         self.rows = rows
         self.scorer = RewardScorer(
-            reward_fns, settings.reward_timeout_s, settings.max_reward_failures
-        )
+            reward_fns, weights=settings.reward_weights, timeout_s=settings.reward_timeout_s,
+            max_failures=settings.max_reward_failures,
+        )  # fmt: skip
         self.settings = settings
         self.searcher_id = searcher_id
         self.incarnation = incarnation
         self.num_generated = 0  # the next sample's sequence number
         self.reward_faults: list[tuple[str, str, int]] = []
         self.version = 0
+        self.step = 0  # the optimizer step at which the weights of `version` were published
         self.stream = PromptStream(
             len(rows), seed if stream_seed is None else stream_seed, stream_taken
         )
         self.prompt_ids = encode_prompts(
-            tokenizer, [row["prompt"] for row in rows], chat_template=settings.chat_template
-        )
+            tokenizer, [row["prompt"] for row in rows], chat_template=settings.chat_template,
+            max_length=settings.max_prompt_length,
+        )  # fmt: skip
         self.generator = torch.Generator(device=next(model.parameters()).device)
         self.generator.manual_seed(seed)
 
-    def set_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+    def set_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
+        """Adopt the weights of `version`, published at optimizer step `step`."""
         set_weights(self.policy, weights)
-        self.version = version
+        self.version, self.step = version, step
 
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
         """Samples for the next `num_prompts` prompts of the stream, and generation stats."""
@@ -143,7 +153,7 @@ class Searcher:
             generator=self.generator,
         )
         completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        rewards, parts, extras, reward_dropped = self._score(row_ids, completions, out.truncated)
+        scores, rewards, reward_dropped = self._score(row_ids, completions, out)
         ref_logps = self._reference_logps(prompts, out.response_ids)
         now = time.time()
         kept = [i for i in range(len(row_ids)) if math.isfinite(rewards[i])]
@@ -160,8 +170,9 @@ class Searcher:
                 searcher_id=self.searcher_id,
                 created_at=now,
                 truncated=out.truncated[i],
-                reward_parts={name: values[i] for name, values in parts.items()},
-                extras={name: values[i] for name, values in extras.items()},
+                reward_parts={name: values[i] for name, values in scores.parts.items()
+                              if values[i] is not None},
+                extras={name: values[i] for name, values in scores.extras.items()},
                 incarnation=self.incarnation,
                 seq=self.num_generated + n,
             )
@@ -178,6 +189,7 @@ class Searcher:
             "truncated_frac": sum(out.truncated) / len(out.truncated),
             "dropped": len(row_ids) - len(samples),
             "reward_dropped": reward_dropped,
+            "reward_unscored": scores.unscored,
             "response_length": tokens / len(out.response_ids),
         }
         return samples, stats
@@ -202,22 +214,25 @@ class Searcher:
             ).tolist()  # fmt: skip
 
     def _score(
-        self, row_ids: list[int], completions: list[str], truncated: list[bool]
-    ) -> tuple[list[float], dict[str, list[float]], dict[str, list], int]:
-        """Sum of the reward functions (NaN: drop), the values per function, the extra columns
-        they logged, and how many completions a reward fault dropped. Truncated responses are
-        penalised or dropped."""
+        self, row_ids: list[int], completions: list[str], out: Generation
+    ) -> tuple[Scores, list[float], int]:
+        """The reward functions' scores, each completion's reward (NaN: drop it), and how many
+        completions the reward functions dropped (a fault, or no function scored them). A response
+        without EOS is scored as any other, or gets the truncation penalty, or is dropped
+        (`settings.truncated`)."""
         prompts = [self.rows[i]["prompt"] for i in row_ids]
         columns = {
             key: [self.rows[i][key] for i in row_ids] for key in self.rows[0] if key != "prompt"
         }
-        totals, parts, faults, extras = self.scorer.score(prompts, completions, columns)
-        self.reward_faults += faults
         s = self.settings
+        scores = self.scorer.score(prompts, completions, out.response_ids, columns,
+                                   TrainerState(self.step, s.max_steps))  # fmt: skip
+        self.reward_faults += scores.faults
+        rewards = list(scores.totals)
         reward_dropped = 0
-        for i, cut in enumerate(truncated):
-            if cut:
-                totals[i] = s.truncation_penalty if s.truncated == "penalize" else math.nan
-            elif math.isnan(totals[i]):
+        for i, cut in enumerate(out.truncated):
+            if cut and s.truncated != "score":
+                rewards[i] = s.truncation_penalty if s.truncated == "penalize" else math.nan
+            elif math.isnan(rewards[i]):
                 reward_dropped += 1
-        return totals, parts, extras, reward_dropped
+        return scores, rewards, reward_dropped

@@ -97,11 +97,12 @@ class Trainer:
     def weights(self) -> dict[str, np.ndarray]:
         return get_weights(self.model)
 
-    def next_version(self) -> tuple[dict[str, np.ndarray], int]:
-        """The current weights as the next version, for the searchers."""
+    def next_version(self) -> tuple[dict[str, np.ndarray], int, int]:
+        """The current weights as the next version, for the searchers: (weights, version, the
+        optimizer steps taken so far)."""
         self.version += 1
         self.publish_steps.append(self.step_count)
-        return self.weights(), self.version
+        return self.weights(), self.version, self.step_count
 
     def steps_behind(self, version: int) -> int:
         """Optimizer steps taken since the weights of `version` were published: how far a

@@ -82,14 +82,19 @@ def load_tokenizer(path: str, *, chat_template: bool = False) -> PreTrainedToken
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], *, chat_template: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    *,
+    chat_template: bool = False,
+    max_length: int | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt. A conversation (a list of `{"role", "content"}` messages) is
     rendered by the tokenizer's chat template, followed by the opening of the assistant's turn,
     which the response continues, or, when the last message is the assistant's, by nothing: the
     response continues that message (a prefilled answer). A text prompt is encoded as it is
     (with the tokenizer's special tokens, e.g. BOS), or with `chat_template` as one user turn,
-    for instruct models."""
+    for instruct models. With `max_length`, a longer prompt keeps its last `max_length` tokens
+    (the end, which the response continues)."""
     ids = []
     for prompt in prompts:
         if isinstance(prompt, str) and not chat_template:
@@ -104,4 +109,6 @@ def encode_prompts(
         # The template writes its own special tokens (BOS included); adding them again would
         # double them.
         ids.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    if max_length is not None:
+        ids = [prompt[-max_length:] for prompt in ids]
     return ids

@@ -1,17 +1,28 @@
-"""Calling the user's reward functions without letting one bad call cost the run.
+"""Calling the user's reward functions, TRL's contract, without letting one bad call cost the run.
 
-A reward function is `fn(prompts, completions, **columns) -> list[float]`, one finite number per
-completion. A function that takes `log_extra` (by name or through `**kwargs`) gets TRL's
-callable `log_extra(column, values)`: one value per completion, kept with each sample as
-`extras[column]` (e.g. the red-teaming reward's `toxicity`). Where the prompt is a conversation,
-the completion comes as TRL gives it, `[{"role": "assistant", "content": text}]`
-(`as_reward_inputs`).
+A reward function is called with keyword arguments, as TRL's `GRPOTrainer` calls it:
 
-When a call raises, does not return within `timeout_s`, returns None, a list of the wrong length,
-or None/NaN/inf for some completions, the completions it failed on are dropped and counted (never
-scored as 0, which would teach the policy that they were wrong), and the fault is reported with
-the function's name and the reason. A function whose last `max_failures` calls all failed stops
-the run with `RewardError`: it is broken, not unlucky.
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+       **columns) -> list[float | None]
+
+`columns` are the dataset's other columns, one value per completion. A function receives the
+keywords it names, or all of them with `**kwargs`; it may be `async def`. Where the prompt is a
+conversation, the completion comes as TRL gives it, `[{"role": "assistant", "content": text}]`
+(`as_reward_inputs`). `trainer_state.global_step` is the optimizer step at which the weights that
+wrote the completions were published (`max_steps` the run's limit). `log_extra(column, values)`
+keeps one value per completion with each sample as `extras[column]` (e.g. the red-teaming
+reward's `toxicity`).
+
+A function returns one value per completion: a finite number, or None for a completion it does
+not score (TRL's convention for functions that apply to some rows only). A completion's reward is
+the sum of the values it got, each times the function's weight (`task.reward_weights`, default
+1); a completion no function scores is dropped and counted (`unscored`).
+
+When a call raises, does not return within `timeout_s`, returns something that is not a list of
+that length, or NaN, inf or a non-number for some completions, the completions it failed on are
+dropped and counted (never scored as 0, which would teach the policy that they were wrong), and
+the fault is reported with the function's name and the reason. A function whose last
+`max_failures` calls all failed stops the run with `RewardError`: it is broken, not unlucky.
 """
 
 from __future__ import annotations
@@ -22,25 +33,46 @@ import math
 import numbers
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tba.core import Prompt, RewardFn
 from tba.errors import RewardError
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What reward functions get as `trainer_state`: how far training was when the weights that
+    wrote the completions were published."""
+
+    global_step: int
+    max_steps: int
+
+
+@dataclass
+class Scores:
+    """The rewards of a batch of completions."""
+
+    totals: list[float]  # weighted sum of the values each completion got; NaN: drop it
+    parts: dict[str, list[float | None]]  # per function: its value, None (not scored), NaN (failed)
+    faults: list[tuple[str, str, int]]  # (function, reason, completions it failed on)
+    extras: dict[str, list]  # columns logged with `log_extra`
+    unscored: int  # completions that no function scored (dropped)
+
+
 class _Timeout(Exception):
     """The reward call did not return in time."""
 
 
-def call_with_timeout(fn: RewardFn, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs), or `_Timeout` after `timeout_s`. A hung call is left behind in a daemon
+def call_with_timeout(fn: RewardFn, timeout_s: float, **kwargs: Any) -> Any:
+    """fn(**kwargs), or `_Timeout` after `timeout_s`. A hung call is left behind in a daemon
     thread (Python cannot kill a thread), so it never blocks the process from exiting."""
     result: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            result["value"] = call_reward(fn, *args, **kwargs)
+            result["value"] = call_reward(fn, **kwargs)
         except BaseException as error:  # handed to the caller's thread below
             result["error"] = error
 
@@ -54,10 +86,22 @@ def call_with_timeout(fn: RewardFn, timeout_s: float, *args: Any, **kwargs: Any)
     return result["value"]
 
 
-def call_reward(fn: RewardFn, *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs), run to completion when `fn` is an `async def`."""
-    value = fn(*args, **kwargs)
+def call_reward(fn: RewardFn, **kwargs: Any) -> Any:
+    """fn(**kwargs) with the keywords `fn` takes (all of them when it has `**kwargs`), run to
+    completion when `fn` is an `async def`."""
+    value = fn(**accepted_keywords(fn, kwargs))
     return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def accepted_keywords(fn: RewardFn, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords `fn` names, or all of them when it takes `**kwargs` (or has no signature)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return kwargs
+    return {key: value for key, value in kwargs.items() if key in parameters}
 
 
 def as_reward_inputs(
@@ -85,76 +129,104 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _takes(fn: RewardFn, name: str) -> bool:
-    """Whether `fn` accepts the keyword argument `name` (explicitly or through **kwargs)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
-def _as_reward(value: Any) -> float:
-    """A finite float (True counts as 1), or NaN for anything else (None, NaN, inf, a string)."""
+def _as_reward(value: Any) -> float | None:
+    """A finite float (True counts as 1); None stays None (not scored); NaN for anything else
+    (NaN, inf, a string)."""
+    if value is None:
+        return None
     if not isinstance(value, numbers.Real):
         return math.nan
     value = float(value)
     return value if math.isfinite(value) else math.nan
 
 
-def total_rewards(parts: Iterable[Sequence[float]]) -> list[float]:
-    """Per completion, the sum of the values of every reward function (`parts`: one list per
-    function), added exactly (`math.fsum`)."""
-    return [math.fsum(values) for values in zip(*parts)]
+def _failed(value: float | None) -> bool:
+    return value is not None and math.isnan(value)
 
 
 class RewardScorer:
-    """Sums the reward functions per completion; NaN marks a completion to drop."""
+    """Calls every reward function on a batch of completions and adds their weighted values."""
 
-    def __init__(self, reward_fns: Sequence[RewardFn], timeout_s: float, max_failures: int) -> None:
+    def __init__(
+        self,
+        reward_fns: Sequence[RewardFn],
+        *,
+        weights: Sequence[float] | None = None,
+        timeout_s: float = 60.0,
+        max_failures: int = 5,
+    ) -> None:
         self.reward_fns = list(reward_fns)
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.reward_fns)
+        if len(self.weights) != len(self.reward_fns):
+            raise ValueError(f"{len(self.weights)} reward weights for {len(self.reward_fns)} "
+                             "reward functions")  # fmt: skip
         self.timeout_s = timeout_s
         self.max_failures = max_failures
         self._failed_in_a_row: Counter[str] = Counter()
 
     def score(
-        self, prompts: list[Prompt], completions: list[str], columns: dict[str, list]
-    ) -> tuple[list[float], dict[str, list[float]], list[tuple[str, str, int]], dict[str, list]]:
-        """(totals, values per function, faults, extra columns). A fault is (function, reason,
-        completions affected); a total is NaN where some function gave no usable value."""
-        prompts, completions = as_reward_inputs(prompts, completions)
-        parts: dict[str, list[float]] = {}
-        faults: list[tuple[str, str, int]] = []
+        self,
+        prompts: list[Prompt],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        columns: dict[str, list],
+        trainer_state: TrainerState | None = None,
+    ) -> Scores:
+        """The rewards of `completions` (see the module docstring)."""
+        prompts, shaped = as_reward_inputs(prompts, completions)
         extras: dict[str, list] = {}
 
         def log_extra(column: str, values: list) -> None:
-            if len(values) == len(completions):  # one per completion, or not at all
+            if len(values) == len(shaped):  # one per completion, or not at all
                 extras[column] = list(values)
 
+        arguments = {**columns, "prompts": prompts, "completions": shaped,
+                     "completion_ids": completion_ids, "trainer_state": trainer_state,
+                     "log_extra": log_extra}  # fmt: skip
+        parts: dict[str, list[float | None]] = {}
+        faults: list[tuple[str, str, int]] = []
         for fn in self.reward_fns:
             name = _name(fn)
-            kwargs = columns | ({"log_extra": log_extra} if _takes(fn, "log_extra") else {})
-            values, reason = self._call(fn, prompts, completions, kwargs)
+            values, reason = self._call(fn, arguments, len(shaped))
             parts[name] = values
-            bad = sum(math.isnan(v) for v in values)
+            failed = sum(_failed(v) for v in values)
             if reason is not None:
-                faults.append((name, reason, bad))
-            failed = bad == len(values)  # nothing usable came back
-            self._failed_in_a_row[name] = self._failed_in_a_row[name] + 1 if failed else 0
+                faults.append((name, reason, failed))
+            # Nothing usable came back (a function that scores nothing, all None, has not failed).
+            all_failed = failed == len(values)
+            self._failed_in_a_row[name] = self._failed_in_a_row[name] + 1 if all_failed else 0
             if self._failed_in_a_row[name] >= self.max_failures:
                 raise RewardError(
                     f"reward function {name!r} failed on its last {self.max_failures} calls "
                     f"(searchers.max_reward_failures); last: {reason}"
                 )
-        return total_rewards(parts.values()), parts, faults, extras
+        totals, unscored = self._totals(list(parts.values()), len(shaped))
+        return Scores(totals, parts, faults, extras, unscored)
+
+    def _totals(self, parts: list[list[float | None]], count: int) -> tuple[list[float], int]:
+        """Per completion, the weighted sum of the values it got (exact: `math.fsum`); NaN where a
+        function failed on it or none scored it. And how many none scored."""
+        totals, unscored = [], 0
+        for i in range(count):
+            values = [(weight, part[i]) for weight, part in zip(self.weights, parts)]
+            if any(_failed(value) for _, value in values):
+                totals.append(math.nan)
+                continue
+            given = [weight * value for weight, value in values if value is not None]
+            if not given:
+                unscored += 1
+                totals.append(math.nan)
+                continue
+            totals.append(math.fsum(given))
+        return totals, unscored
 
     def _call(
-        self, fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]
-    ) -> tuple[list[float], str | None]:
-        """One value per completion (NaN where unusable), and what went wrong, if anything."""
-        unusable = [math.nan] * len(completions)
+        self, fn: RewardFn, arguments: dict[str, Any], count: int
+    ) -> tuple[list[float | None], str | None]:
+        """One value per completion (None: not scored; NaN: unusable), and what went wrong."""
+        unusable: list[float | None] = [math.nan] * count
         try:
-            returned = call_with_timeout(fn, self.timeout_s, prompts, completions, **columns)
+            returned = call_with_timeout(fn, self.timeout_s, **arguments)
         except _Timeout:
             return unusable, f"did not return within {self.timeout_s:g} s"
         except Exception as error:
@@ -165,11 +237,11 @@ class RewardScorer:
             returned = list(returned)
         except TypeError:
             return unusable, f"returned a {type(returned).__name__}, not a list"
-        if len(returned) != len(completions):
-            return unusable, f"returned {len(returned)} values for {len(completions)} completions"
+        if len(returned) != count:
+            return unusable, f"returned {len(returned)} values for {count} completions"
         values = [_as_reward(v) for v in returned]
-        bad = sum(math.isnan(v) for v in values)
-        if bad:
-            example = next(v for v, f in zip(returned, values) if math.isnan(f))
-            return values, f"returned {example!r} (not a finite number) for {bad} completions"
+        failed = sum(_failed(v) for v in values)
+        if failed:
+            example = next(v for v, f in zip(returned, values) if _failed(f))
+            return values, f"returned {example!r} (not a finite number) for {failed} completions"
         return values, None

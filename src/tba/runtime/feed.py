@@ -34,10 +34,14 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
+
 from tba.buffer import ReplayBuffer
 from tba.config import RunConfig
 from tba.core import EventLogger, Sample
 from tba.runtime.pool import AsyncSearchers, Searchers
+from tba.runtime.ray_cluster import cluster_address
 from tba.trainer import Trainer
 
 
@@ -64,7 +68,7 @@ class Feed(ABC):
         self.reward_faults: Counter[str] = Counter()  # "function: reason" -> completions dropped
         self.next_seq: dict[tuple[int, int], int] = {}  # (searcher, incarnation) -> next seq
         self.sync_next = False  # a resumed run syncs weights at its first step, whatever k
-        self.on_merge: Callable[[list[Sample]], None] | None = None  # sees every new sample
+        self.on_merge: list[Callable[[list[Sample]], None]] = []  # see every new sample
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -103,8 +107,8 @@ class Feed(ABC):
     def _merge(self, samples: list[Sample], stats: dict[str, float]) -> list[Sample]:
         """Add the samples not merged before; returns them."""
         fresh = [s for s in samples if self._first_time(s)]
-        if self.on_merge is not None and fresh:
-            self.on_merge(fresh)
+        for listener in self.on_merge if fresh else ():
+            listener(fresh)
         self.counts["merged"] += len(fresh)
         self.counts["capacity_evicted"] += self.buffer.add(fresh)
         self._evict_stale()
@@ -131,6 +135,7 @@ class Feed(ABC):
     def _note_reward_faults(self, stats: dict[str, float]) -> None:
         """Count reward-function faults; log the first of each kind (function and reason)."""
         self.counts["reward_dropped"] += int(stats.get("reward_dropped", 0))
+        self.counts["reward_unscored"] += int(stats.get("reward_unscored", 0))
         for name, reason, dropped in self.searchers.take_reward_faults():
             kind = f"{name}: {reason}"
             new_kind = kind not in self.reward_faults
@@ -165,20 +170,28 @@ class AsyncFeed(Feed):
     @staticmethod
     def trainer_threads(config: RunConfig) -> int | None:
         """The cores the searchers do not reserve on this machine (else the trainer starves them
-        and keeps stepping on ever staler samples); every core when they run on a cluster."""
-        if config.ray.address is not None:
+        and keeps stepping on ever staler samples). On a cluster, where they run is known once
+        they report: see `start`."""
+        if cluster_address(config) is not None:
             return None
         sc = config.searchers
         return max(1, (os.cpu_count() or 1) - math.ceil(sc.count * sc.num_cpus))
 
     def start(self, stop: threading.Event) -> float:
         """Publish the first weights, start the searchers and fill the buffer to
-        `train.initial_buffer_samples`."""
+        `train.initial_buffer_samples`. On a cluster, the trainer then takes the cores that the
+        searchers on its own machine do not reserve."""
         tc = self.config.train
         self._sync_weights()
         self.searchers.start()
         initial = tc.initial_buffer_samples or 4 * tc.num_prompts * tc.group_size
-        return self._wait(lambda: len(self.buffer) >= initial, stop)[0]
+        waited = self._wait(lambda: len(self.buffer) >= initial, stop)[0]
+        if cluster_address(self.config) is not None and self.config.policy.num_threads is None:
+            beside = math.ceil(self.searchers.cpus_beside_trainer())
+            threads = max(1, (os.cpu_count() or 1) - beside)
+            torch.set_num_threads(threads)
+            self.log_event("trainer_threads", threads=threads, searcher_cpus_here=beside)
+        return waited
 
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
         tc = self.config.train
@@ -219,11 +232,20 @@ class AsyncFeed(Feed):
 
 
 def _arrivals(samples: list[Sample]) -> dict[str, float]:
-    """How many new samples reached the buffer for this step, and their mean reward: what the
-    searchers' current policy scores (the batch's own reward mixes in replayed samples)."""
+    """How many new samples reached the buffer for this step, their mean reward (what the
+    searchers' current policy scores; the batch's own reward mixes in replayed samples), and the
+    mean and standard deviation of each reward function's values (`rewards/NAME/mean`, `/std`,
+    as TRL names them), over the samples it scored."""
     if not samples:
         return {"samples_in": 0}
-    return {"samples_in": len(samples), "reward_in": sum(s.reward for s in samples) / len(samples)}
+    mean_reward = sum(s.reward for s in samples) / len(samples)
+    arrivals = {"samples_in": len(samples), "reward_in": mean_reward}
+    names = dict.fromkeys(name for s in samples for name in s.reward_parts)
+    for name in names:
+        values = [s.reward_parts[name] for s in samples if name in s.reward_parts]
+        arrivals[f"rewards/{name}/mean"] = float(np.mean(values))
+        arrivals[f"rewards/{name}/std"] = float(np.std(values))
+    return arrivals
 
 
 FEEDS: dict[str, type[Feed]] = {"sync": SyncFeed, "async": AsyncFeed}  # by `train.mode`

@@ -19,8 +19,8 @@ class InProcessSearchers(Searchers):
     def __init__(self, searcher: Searcher) -> None:
         self.searcher = searcher
 
-    def offer_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
-        self.searcher.set_weights(weights, version)
+    def offer_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
+        self.searcher.set_weights(weights, version, step)
 
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
         return self.searcher.generate(num_prompts)

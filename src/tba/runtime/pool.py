@@ -20,8 +20,9 @@ class Searchers(ABC):
     discarded_in_flight: int = 0  # samples made but never handed over: work lost, not data
 
     @abstractmethod
-    def offer_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
-        """Make these the weights of the next generations."""
+    def offer_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
+        """Make these the weights of the next generations: `version`, published at optimizer
+        step `step`."""
 
     @abstractmethod
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
@@ -58,3 +59,7 @@ class AsyncSearchers(Searchers):
     @abstractmethod
     def collect(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
         """The samples made since the last call, without waiting on generation in flight."""
+
+    @abstractmethod
+    def cpus_beside_trainer(self) -> float:
+        """CPUs the searchers reserve on the machine the trainer runs on."""

@@ -15,12 +15,14 @@ were made but never handed over: work lost in flight, as opposed to data lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 import traceback
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -57,6 +59,11 @@ class SearcherActor:
     ) -> None:
         # Ray sets OMP_NUM_THREADS=1 in workers; the thread count is ours to choose.
         torch.set_num_threads(num_threads)
+        self.niceness = normal_priority()
+        import ray  # a Ray actor's process: Ray is there, and was imported by Ray itself
+
+        # (None when the class is used outside Ray, as the tests do.)
+        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         quiet_libraries()
         tokenizer = load_tokenizer(policy_dir, chat_template=settings.chat_template)
         model = load_policy(policy_dir, resolve_device(device), dtype=dtype, lora=lora)
@@ -72,37 +79,41 @@ class SearcherActor:
         self._faults: list[tuple[str, str, int]] = []
         self._lock = threading.Condition()
         self._outbox: list[Sample] = []
-        self._offer: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
+        # (version, the optimizer step it was published at, ObjectRef of the weights)
+        self._offer: tuple[int, int, object] | None = None
         self._counters: Counter[str] = Counter()
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def offer_weights(self, version: int, refs: list) -> None:
-        """Weights of `version` to adopt before the next batch (wrapped in a list so that Ray
-        passes the reference instead of fetching the arrays here)."""
+    def offer_weights(self, version: int, step: int, refs: list) -> None:
+        """Weights of `version`, published at optimizer step `step`, to adopt before the next
+        batch (wrapped in a list so that Ray passes the reference instead of fetching the arrays
+        here)."""
         with self._lock:
             if self._offer is None or version > self._offer[0]:
-                self._offer = (version, refs[0])
+                self._offer = (version, step, refs[0])
 
     def generate_batch(
-        self, num_prompts: int, version: int, refs: list
+        self, num_prompts: int, version: int, step: int, refs: list
     ) -> tuple[list[Sample], dict[str, float]]:
         """Synchronous mode: one batch with the given weights, returned at once."""
-        self.offer_weights(version, refs)
+        self.offer_weights(version, step, refs)
         self._adopt_offered_weights()
         samples, stats = self.searcher.generate(num_prompts)
         self._write_ledger()
         return samples, stats | {
             "version": self.searcher.version,
-            "pid": os.getpid(),
+            **self._whereabouts(),
             "stream_taken": self.searcher.stream.taken,
             "reward_faults": self.searcher.take_reward_faults(),
         }
 
-    def start(self, prompts_per_batch: int, max_unsent: int, version: int, refs: list) -> None:
+    def start(
+        self, prompts_per_batch: int, max_unsent: int, version: int, step: int, refs: list
+    ) -> None:
         """Asynchronous mode: generate until stopped, starting with the given weights."""
-        self.offer_weights(version, refs)
+        self.offer_weights(version, step, refs)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, args=(prompts_per_batch, max_unsent), daemon=True
@@ -122,7 +133,7 @@ class SearcherActor:
         return {
             "samples": samples,
             "version": self.searcher.version,
-            "pid": os.getpid(),
+            **self._whereabouts(),
             "stream_taken": stream_taken,
             "reward_faults": faults,
             **counters,
@@ -144,11 +155,16 @@ class SearcherActor:
             offer, self._offer = self._offer, None
         if offer is not None and offer[0] > self.searcher.version:
             start = time.time()
-            weights = ray.get(offer[1], timeout=self.weights_timeout_s)
-            self.searcher.set_weights(weights, offer[0])
+            version, step, ref = offer
+            weights = ray.get(ref, timeout=self.weights_timeout_s)
+            self.searcher.set_weights(weights, version, step)
             self._counters["sync_seconds"] += time.time() - start
 
+    def _whereabouts(self) -> dict:
+        return {"pid": os.getpid(), "node": self.node, "nice": self.niceness}
+
     def _loop(self, prompts_per_batch: int, max_unsent: int) -> None:
+        normal_priority()  # this thread, and the torch threads it starts
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -164,6 +180,7 @@ class SearcherActor:
                     self._stream_taken = self.searcher.stream.taken
                     self._faults += self.searcher.take_reward_faults()
                     self._counters["reward_dropped"] += stats["reward_dropped"]
+                    self._counters["reward_unscored"] += stats["reward_unscored"]
                     self._counters["num_samples"] += len(samples)
                     self._counters["tokens"] += stats["gen_tokens"]
                     self._counters["gen_seconds"] += stats["gen_seconds"]
@@ -181,3 +198,16 @@ class SearcherActor:
         with open(partial, "w") as file:
             json.dump(record, file)
         os.replace(partial, self.ledger_path)  # a reader never sees half a record
+
+
+def normal_priority() -> int:
+    """Every thread of this process at nice 0, where allowed: Ray starts its workers at nice 15,
+    and beside a trainer that wants every core, searchers at 15 all but stop. Lowering the
+    niceness needs the privilege to (root, or CAP_SYS_NICE); without it nothing changes. Returns
+    the niceness this thread runs at."""
+    tasks = Path("/proc/self/task")
+    threads = [int(tid) for tid in os.listdir(tasks)] if tasks.is_dir() else [0]
+    for thread in threads:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, thread, 0)
+    return os.getpriority(os.PRIO_PROCESS, 0)

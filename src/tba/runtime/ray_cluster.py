@@ -1,4 +1,15 @@
-"""Starting a quiet, loopback-only local Ray instance, or joining an existing cluster."""
+"""Ray for a run: a quiet, loopback-only local instance, or an existing cluster to join.
+
+- **Local** (`ray.address` unset and no `RAY_ADDRESS`): a new instance for this run, always
+  (a stale `/tmp/ray/ray_current_cluster` of an earlier cluster is not joined), on the loopback
+  interface only, without dashboard or usage reporting, with its workers at normal priority.
+- **A cluster** (`ray.address`, else the `RAY_ADDRESS` that Ray's own tools read): joined. On a
+  loopback address the driver also stays on loopback. A cluster started where an auth token
+  exists (`~/.ray/auth_token`, `RAY_AUTH_TOKEN`) checks tokens, and a driver sends its token only
+  with `RAY_AUTH_MODE=token`: set here when a token exists and the mode is not chosen (a cluster
+  without token checks accepts such a driver as well). A cluster that cannot be joined is one
+  line naming the address and what to check.
+"""
 
 from __future__ import annotations
 
@@ -7,43 +18,73 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from tba.config import RunConfig
+from tba.errors import RunError
+
+TOKEN_FILE = Path("~/.ray/auth_token").expanduser()
+
+
+def cluster_address(config: RunConfig) -> str | None:
+    """The Ray cluster the run joins (None: a local instance of its own)."""
+    return config.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def is_loopback(address: str) -> bool:
+    host = address.removeprefix("ray://").rsplit(":", 1)[0]
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 @contextmanager
-def ray_session(config: RunConfig) -> Iterator[None]:
+def ray_session(config: RunConfig, log=print) -> Iterator[None]:
     """Ray for the duration of a run: started (or joined) on entry, shut down on exit."""
-    # Set before Ray is imported: no usage reporting, and on a single machine Ray picks the
-    # loopback address, so none of its servers listens on an external interface.
+    address = cluster_address(config)
+    # Set before Ray is imported, which reads some of them once.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if config.ray.address is None:
+    if address is None or is_loopback(address):
+        # Ray binds its servers to every interface unless told this is not a cluster.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if address is None:
         # Ray runs its workers at nice 15: whenever anything else wants the cores (the trainer,
         # another job), the searchers get a few percent of a core, stop producing, and the
         # trainer replays ever older samples. Searchers are half of the work: same priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
-    import ray
+    elif "RAY_AUTH_MODE" not in os.environ and (TOKEN_FILE.exists() or "RAY_AUTH_TOKEN" in
+                                               os.environ):  # fmt: skip
+        os.environ["RAY_AUTH_MODE"] = "token"
+    import ray  # only a run with searcher processes needs Ray, and only after the lines above
 
-    if config.ray.address is None:
+    if address is None or is_loopback(address):
         # Ray reads that variable once, when it is first imported: a script that imported Ray
         # before calling us would otherwise get servers on its external interface.
         from ray._private import ray_constants
 
         ray_constants.ENABLE_RAY_CLUSTER = False
-    searchers = config.searchers
     options: dict = {
         "include_dashboard": False,
         "logging_level": logging.ERROR,
         "log_to_driver": True,
         "configure_logging": True,
     }
-    if config.ray.address is None:
+    if address is None:
+        searchers = config.searchers
         wanted = math.ceil(searchers.count * searchers.num_cpus)
         options["num_cpus"] = config.ray.num_cpus or max(os.cpu_count() or 1, wanted)
+        options["address"] = "local"
     else:
-        options["address"] = config.ray.address
-    ray.init(**options)
+        options["address"] = address
+        source = "ray.address" if config.ray.address else "RAY_ADDRESS"
+        log(f"joining the Ray cluster at {address} ({source})")
+    try:
+        ray.init(**options)
+    except ConnectionError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise RunError(
+            f"cannot join the Ray cluster at {address}: {reason}; is it up (`ray status "
+            f"--address {address}`), and if it checks auth tokens, does this machine have its "
+            "token (~/.ray/auth_token or RAY_AUTH_TOKEN)?"
+        ) from None
     try:
         yield
     finally:

@@ -44,6 +44,7 @@ class _Slot:
     stream_taken: int = 0  # stream position after the last batch handed over
     handed: int = 0  # samples this incarnation has handed over
     restarts: int = 0  # deaths replaced so far (a resume starts a new incarnation, not a restart)
+    node: str | None = None  # the Ray node it runs on, once it reported
 
 
 class RaySearchers(AsyncSearchers):
@@ -73,7 +74,7 @@ class RaySearchers(AsyncSearchers):
             num_cpus=sc.num_cpus, num_gpus=sc.num_gpus, max_concurrency=4, max_restarts=0
         )
         self._rows = ray.put(task.train_rows)  # one copy, shared by every searcher
-        self._weights: tuple[int, Any] | None = None  # (version, ObjectRef)
+        self._weights: tuple[int, int, Any] | None = None  # (version, step, ObjectRef)
         self._running = False
         self._reward_faults: list[tuple[str, str, int]] = []
         self.ledger_dir = ledger_dir
@@ -130,11 +131,11 @@ class RaySearchers(AsyncSearchers):
 
     # ------------------------------------------------------------------------------ weights
 
-    def offer_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
-        self._weights = (version, self._ray.put(weights))
+    def offer_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
+        self._weights = (version, step, self._ray.put(weights))
         if self._running:
             for slot in self.slots:
-                slot.handle.offer_weights.remote(version, [self._weights[1]])
+                slot.handle.offer_weights.remote(version, step, [self._weights[2]])
 
     # ---------------------------------------------------------------------- synchronous mode
 
@@ -175,12 +176,14 @@ class RaySearchers(AsyncSearchers):
             / generated,
             "dropped": sum(st["dropped"] for st in stats),
             "reward_dropped": sum(st["reward_dropped"] for st in stats),
+            "reward_unscored": sum(st["reward_unscored"] for st in stats),
             "response_length": tokens / generated,
         }
 
     def _generate_call(self, i: int, num_prompts: int) -> tuple[Any, float]:
-        version, ref = self._latest_weights()
-        return self.slots[i].handle.generate_batch.remote(num_prompts, version, [ref]), time.time()
+        version, step, ref = self._latest_weights()
+        call = self.slots[i].handle.generate_batch.remote(num_prompts, version, step, [ref])
+        return call, time.time()
 
     # --------------------------------------------------------------------- asynchronous mode
 
@@ -192,8 +195,8 @@ class RaySearchers(AsyncSearchers):
     def _start(self, slot: _Slot) -> None:
         sc, tc = self.config.searchers, self.config.train
         per_batch = sc.prompts_per_batch or tc.num_prompts
-        version, ref = self._latest_weights()
-        slot.handle.start.remote(per_batch, sc.max_unsent_samples, version, [ref])
+        version, step, ref = self._latest_weights()
+        slot.handle.start.remote(per_batch, sc.max_unsent_samples, version, step, [ref])
 
     def collect(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
         """New samples of every searcher that answers; never waits on generation in flight."""
@@ -206,7 +209,7 @@ class RaySearchers(AsyncSearchers):
         if up:
             self._ray.wait(up, num_returns=len(up), timeout=self.timeout)
         samples: list[Sample] = []
-        reward_dropped = 0
+        reward_dropped = reward_unscored = 0
         stats: dict[str, float] = {}
         for i, slot in enumerate(self.slots):
             ref, issued = slot.pending
@@ -223,15 +226,17 @@ class RaySearchers(AsyncSearchers):
                 raise SearcherError(f"searcher {i} failed: {error.cause}") from None
             self._handed_over(i, result["samples"], result)
             reward_dropped += result.get("reward_dropped", 0)
+            reward_unscored += result.get("reward_unscored", 0)
             samples += result.pop("samples")
             stats |= self._searcher_stats(i, result, trainer_version)
         stats["searcher_restarts"] = self.restarts
         stats["reward_dropped"] = reward_dropped
+        stats["reward_unscored"] = reward_unscored
         return samples, stats
 
     def _handed_over(self, i: int, samples: list[Sample], report: dict) -> None:
         slot = self.slots[i]
-        self._mark_ready(i, report["pid"])
+        self._mark_ready(i, report)
         slot.handed += len(samples)
         slot.stream_taken = report["stream_taken"]
         self._reward_faults += report["reward_faults"]
@@ -285,11 +290,24 @@ class RaySearchers(AsyncSearchers):
         except FileNotFoundError:
             return 0  # died before finishing a batch
 
-    def _mark_ready(self, i: int, pid: int) -> None:
+    def _mark_ready(self, i: int, report: dict) -> None:
         slot = self.slots[i]
         if not slot.ready:
             slot.ready, slot.ready_at, slot.totals = True, time.time(), {}
-            self.log_event("searcher_ready", searcher=i, pid=pid, incarnation=slot.incarnation)
+            slot.node = report["node"]
+            self.log_event("searcher_ready", searcher=i, pid=report["pid"], node=report["node"],
+                           nice=report["nice"], incarnation=slot.incarnation)  # fmt: skip
+            if report["nice"] > 0:
+                self.log_event(
+                    "searcher_low_priority", searcher=i, nice=report["nice"],
+                    advice="start the Ray nodes with RAY_worker_niceness=0",
+                )  # fmt: skip
+
+    def cpus_beside_trainer(self) -> float:
+        """CPUs the searchers that have reported so far reserve on the trainer's machine."""
+        here = self._ray.get_runtime_context().get_node_id()
+        sc = self.config.searchers
+        return sum(sc.num_cpus for slot in self.slots if slot.node == here)
 
     def _replace(self, i: int, error: Exception) -> None:
         """A dead searcher process: start a new one in its place, with the latest weights."""
@@ -334,7 +352,7 @@ class RaySearchers(AsyncSearchers):
                 f"{sc.num_cpus:g} CPU, {sc.num_gpus:g} GPU)"
             )
 
-    def _latest_weights(self) -> tuple[int, Any]:
+    def _latest_weights(self) -> tuple[int, int, Any]:
         if self._weights is None:
             raise RuntimeError("publish weights before generating")
         return self._weights

@@ -2,33 +2,33 @@
 
 Rows are dicts with a `prompt` column (or fields a `task.prompt_template` renders into one);
 every other column reaches the reward functions as a keyword argument, as in TRL:
-`fn(prompts, completions, **columns) -> list[float]`. A prompt may also be a conversation, as
+`fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]`
+(`tba.rewards.scorer`). A prompt may also be a conversation, as
 in TRL: a list of `{"role", "content"}` messages (system, user and assistant turns) that the
 policy's chat template renders, ending with the user's turn, or with the assistant's, which the
 completion then continues. Reward functions get conversations as TRL gives them: the prompt's
 messages, and each completion as `[{"role": "assistant", "content": ...}]`, a prefill moved from
 the prompt to the front of the completion (`tba.rewards.scorer.as_reward_inputs`).
 
-The rewards of all functions are summed. Held-out evaluation is greedy pass@1 of `eval_func`
-when one is given (1 = correct), else `eval_reward`: the mean summed reward of greedy
-completions. Without held-out rows, the first `task.num_eval` training prompts are evaluated
-(a learning curve on seen prompts, not a held-out score).
+The rewards of all functions are summed (weighted by `task.reward_weights`). Held-out evaluation
+is greedy pass@1 of `eval_func` when one is given (1 = correct), else `eval_reward`: the mean
+reward of greedy completions. Without held-out rows, the first `task.num_eval` training prompts
+are evaluated (a learning curve on seen prompts, not a held-out score).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 from tba.config import TaskConfig
 from tba.core import RewardFn, Task
 from tba.errors import ConfigError, DatasetError
-from tba.evaluation import greedy_scores
+from tba.evaluation import EvalSettings, score_completions
 from tba.rewards.models import RewardModel
-from tba.rewards.scorer import call_reward, total_rewards
 from tba.tasks.datasets import read_rows, sources
 from tba.templates import render, template_fields
 
@@ -119,33 +119,20 @@ def _check_conversation(messages: list, where: str) -> None:
                            "assistant message")  # fmt: skip
 
 
-class SummedReward:
-    """The sum of the reward functions, for scoring held-out completions."""
-
-    __name__ = "summed_reward"
-
-    def __init__(self, functions: list[RewardFn]) -> None:
-        self.functions = functions
-
-    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
-        return total_rewards(
-            [float(v) for v in call_reward(function, prompts, completions, **columns)]
-            for function in self.functions
-        )
-
-
 class MeanReward:
-    """Held-out `eval_reward`: the mean summed reward of greedy completions."""
+    """Held-out `eval_reward`: the mean reward of greedy completions (their weighted sum over the
+    reward functions, as in training), over the completions that got one."""
 
     def __init__(self, functions: list[RewardFn], rows: list[dict]) -> None:
-        self.score, self.rows = SummedReward(functions), rows
+        self.functions, self.rows = functions, rows
 
-    def __call__(self, model, tokenizer, settings) -> dict[str, float]:
-        scores = greedy_scores(model, tokenizer, self.rows, self.score,
-                               max_new_tokens=settings.max_new_tokens,
-                               batch_size=settings.batch_size,
-                               chat_template=settings.chat_template)  # fmt: skip
-        return {"eval_reward": sum(scores) / len(scores)}
+    def __call__(self, model, tokenizer, settings: EvalSettings) -> dict[str, float]:
+        scores = score_completions(model, tokenizer, self.rows, self.functions, settings,
+                                   greedy=True, weights=settings.reward_weights)  # fmt: skip
+        rewards = [total for total in scores.totals if math.isfinite(total)]
+        mean = sum(rewards) / len(rewards) if rewards else math.nan
+        unscored = len(scores.totals) - len(rewards)
+        return {"eval_reward": mean} | ({"eval_unscored": float(unscored)} if unscored else {})
 
 
 def custom_task(

@@ -68,7 +68,8 @@ class PreferenceEvaluator:
 
     @torch.no_grad()
     def __call__(self, model, tokenizer, settings) -> dict[str, float]:
-        prompt_ids = encode_prompts(tokenizer, self.prompts, chat_template=settings.chat_template)
+        prompt_ids = encode_prompts(tokenizer, self.prompts, chat_template=settings.chat_template,
+                                    max_length=settings.max_prompt_length)  # fmt: skip
         greedy = decode(tokenizer, respond(model, tokenizer, prompt_ids, settings, greedy=True))
         ours = self.judge(self.prompts, greedy)
         if self._reference_scores is None:  # the references never change: judged once

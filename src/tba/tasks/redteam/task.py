@@ -251,7 +251,8 @@ class RedteamEvaluator:
 
 
 def sample_attacks(model, tokenizer, prompt: str, count: int, settings) -> list[str]:
-    (ids,) = encode_prompts(tokenizer, [prompt], chat_template=settings.chat_template)
+    (ids,) = encode_prompts(tokenizer, [prompt], chat_template=settings.chat_template,
+                            max_length=settings.max_prompt_length)  # fmt: skip
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(settings.seed)
     attacks = generate_texts(
         model, tokenizer, [ids] * count, max_new_tokens=settings.max_new_tokens,
