@@ -1,11 +1,14 @@
-"""Soak test: an asynchronous run that loses a searcher every few minutes and its trainer once.
+"""Soak test: an asynchronous run that loses a searcher every few minutes, and its trainer twice.
 
 Runs `tba train` (asynchronous, `--searchers` searchers, checkpoints every `--checkpoint-every`
 steps) for `--minutes` of training. Every `--kill-every` minutes it kills a random searcher process
-with SIGKILL (the run replaces it); once, halfway, it kills the trainer and everything it started
-(SIGKILL to the process group) and resumes the run with `tba train --resume`. At the end it prints
-where every sample went, from the run's own accounting (searcher ledgers, the trainer's sequence
-checks) and from the final checkpoint's buffer:
+with SIGKILL (the run replaces it). At two random times (between 20% and 80% of the budget, in a
+random order) it stops the trainer: once with SIGKILL to it and everything it started (the
+process group), once with SIGTERM to the trainer alone (what `timeout`, Docker and SLURM send: the
+run saves itself and exits 143); each time it resumes the run with `tba train --resume`. At the end
+it prints where every sample went, from the run's own accounting (searcher ledgers, the trainer's
+sequence checks) and from the final checkpoint's buffer, and whether metrics.jsonl holds every
+step once:
 
     generated = handed over + discarded in flight      (work lost at kills, counted)
     handed over = merged + duplicated                  (duplicated must be 0)
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 from tba.checkpoint import latest_checkpoint
+from tba.run_dir import read_metrics
 
 
 def searcher_pids(run_dir: Path) -> dict[int, int]:
@@ -100,34 +104,47 @@ def main() -> None:
         "buffer.capacity=5000", f"output_dir={args.out}", *args.overrides,
     ]  # fmt: skip
 
+    rng = random.Random(args.seed + 1)
+    start = time.time() + 60  # start-up: about a minute
+    stops = sorted(start + rng.uniform(0.2, 0.8) * args.minutes * 60 for _ in range(2))
+    kinds = rng.sample(["SIGKILL", "SIGTERM"], 2)
     process = launch(["train", *settings], log)
-    # Kill the trainer halfway through the training budget (plus start-up: about a minute).
-    status = supervise(process, args.out, args, until=time.time() + 60 + args.minutes * 30)
-    trainer_kills = 0
-    if status == "due":
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        trainer_kills = 1
+    trainer_kills = {"SIGKILL": 0, "SIGTERM": 0}
+    for when, kind in zip(stops, kinds):
+        if supervise(process, args.out, args, until=when) == "done":
+            break
+        if kind == "SIGKILL":
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        else:
+            process.send_signal(signal.SIGTERM)
+            process.wait()
+            if process.returncode != 143:
+                sys.exit(f"SIGTERM: the run exited {process.returncode}, not 143; see {log}")
+        trainer_kills[kind] += 1
         step = latest_checkpoint(args.out).step
-        print(f"[{time.strftime('%H:%M:%S')}] killed the trainer; resuming from step {step}")
+        print(f"[{time.strftime('%H:%M:%S')}] {kind} to the trainer; resuming from step {step}",
+              flush=True)  # fmt: skip
         process = launch(["train", "--resume", str(args.out)], log)
-        supervise(process, args.out, args, until=None)
+    supervise(process, args.out, args, until=None)
     if process.returncode != 0:
         sys.exit(f"the run failed (exit {process.returncode}); see {log}")
     report(args.out, trainer_kills)
 
 
-def report(run_dir: Path, trainer_kills: int) -> None:
+def report(run_dir: Path, trainer_kills: dict[str, int]) -> None:
     summary = json.loads((run_dir / "eval.json").read_text())
     buffer = latest_checkpoint(run_dir).state["buffer"]
     names = [(s["searcher_id"], s["incarnation"], s["seq"])
              for _, entries in buffer["prompts"] for _, s in entries]  # fmt: skip
     handed_over = summary["samples_merged"] + summary["samples_duplicated"]
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     rows = [
         ("training minutes", f"{summary['train_minutes']:.1f}"),
         ("optimizer steps", summary["steps"]),
         ("searcher processes killed and replaced", summary["searcher_restarts"]),
-        ("trainer processes killed and resumed", trainer_kills),
+        ("trainer killed (SIGKILL to its process group) and resumed", trainer_kills["SIGKILL"]),
+        ("trainer stopped by SIGTERM (saved, exit 143) and resumed", trainer_kills["SIGTERM"]),
         ("samples generated", summary["samples_generated"]),
         ("handed over to the trainer", handed_over),
         ("merged into the buffer", summary["samples_merged"]),
@@ -140,6 +157,9 @@ def report(run_dir: Path, trainer_kills: int) -> None:
         ("duplicates in the final buffer (must be 0)", len(names) - len(set(names))),
         ("generated - handed over - discarded (must be 0)",
          summary["samples_generated"] - handed_over - summary["samples_discarded_in_flight"]),
+        ("steps in metrics.jsonl missing (must be 0)", len(set(range(1, summary["steps"] + 1))
+                                                            - set(steps))),
+        ("steps in metrics.jsonl recorded twice (must be 0)", len(steps) - len(set(steps))),
         ("held-out greedy pass@1, base -> final",
          f"{summary['base']['eval_pass@1']:.3f} -> {summary['final']['eval_pass@1']:.3f}"),
     ]  # fmt: skip

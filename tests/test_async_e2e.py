@@ -178,6 +178,34 @@ def test_ctrl_c_stops_cleanly_and_leaves_no_process(tmp_path):
     assert (run_dir / "final" / "config.json").exists()
 
 
+def test_sigterm_saves_the_run_and_leaves_no_process(tmp_path):
+    """What `timeout`, Docker and SLURM send: handled as the first Ctrl-C."""
+    process, run_dir = start_run(
+        tmp_path, "train.mode=async", "searchers.count=1", "train.max_steps=100000",
+        "train.max_minutes=10",
+    )  # fmt: skip
+    wait_for(lambda: len(steps(run_dir)) >= 3 or process.poll() is not None)
+    os.kill(process.pid, signal.SIGTERM)  # the trainer alone, as `timeout` sends it
+    output = finish(process, timeout=120)
+    assert process.returncode == 143, output
+    assert_no_process_left(process.pid)
+    summary = json.loads((run_dir / "eval.json").read_text())
+    assert summary["interrupted"] is True and summary["stopped_by"] == "SIGTERM"
+    assert (run_dir / "final" / "config.json").exists() and (run_dir / "checkpoints").is_dir()
+
+
+def test_a_killed_trainer_leaves_no_process_behind(tmp_path):
+    """kill -9 of the trainer alone (an OOM killer): Ray's agents would outlive it by a minute."""
+    process, run_dir = start_run(
+        tmp_path, "train.mode=async", "searchers.count=1", "train.max_steps=100000",
+        "train.max_minutes=10",
+    )  # fmt: skip
+    wait_for(lambda: len(steps(run_dir)) >= 2 or process.poll() is not None)
+    os.kill(process.pid, signal.SIGKILL)
+    finish(process, timeout=60)
+    assert_no_process_left(process.pid)
+
+
 def test_a_searcher_that_stops_answering_fails_the_run_with_a_clear_error(tmp_path):
     # The timeout bounds the healthy searcher too, until it is frozen: its answers to the trainer
     # and its weight fetches. A few seconds is within what a loaded machine takes, and the run

@@ -102,9 +102,11 @@ def test_async_run_resumes_with_its_buffer_and_no_sample_twice(tmp_path):
     before = {(s.searcher_id, s.incarnation, s.seq) for s in _samples(checkpoint.state["buffer"])}
     assert before and checkpoint.step == killed_at
 
-    # The resumed trainer waits for one fresh sample, so the new searcher's work shows.
-    more = [f"train.max_steps={killed_at + 6}", f"train.initial_buffer_samples={len(before) + 1}"]
-    assert main(["train", "--resume", str(run_dir), *more]) == 0
+    # The resumed trainer waits for a batch of new samples from its restarted searcher before
+    # its first step, rather than replaying the checkpoint's samples alone.
+    assert main(["train", "--resume", str(run_dir), f"train.max_steps={killed_at + 6}"]) == 0
+    first = next(r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] == killed_at + 1)
+    assert first["fresh_groups"] > 0 and first["staleness_steps_max"] <= 1
     summary = json.loads((run_dir / "eval.json").read_text())
     final = latest_checkpoint(run_dir)
     assert final.step == killed_at + 6 == summary["steps"]

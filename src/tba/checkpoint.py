@@ -22,6 +22,7 @@ import gzip
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from tba.errors import CheckpointError
+from tba.errors import CheckpointError, writing
 
 FORMAT = 2  # 2: one state dict, each component's under its name
 PARTIAL_PREFIX = ".partial-"
@@ -58,18 +59,20 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     partial = root / f"{PARTIAL_PREFIX}{final.name}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        partial.mkdir()
-        trainer = dict(state["trainer"])
-        for name in TENSORS:
-            save_file(_unshared(trainer.pop(name)), partial / f"{name}.safetensors")
-        # Level 1: several times faster than the default 9, and JSON still shrinks ~4x.
-        with gzip.open(partial / "buffer.json.gz", "wt", encoding="utf-8", compresslevel=1) as f:
-            json.dump(state["buffer"], f)
-        rest = {key: value for key, value in state.items() if key != "buffer"}
-        text = json.dumps({"format": FORMAT, "step": step, **rest, "trainer": trainer})
-        (partial / "state.json").write_text(text)
-        _fsync_tree(partial)
-        partial.rename(final)
+        with writing(f"checkpoint {final}"):
+            partial.mkdir()
+            trainer = dict(state["trainer"])
+            for name in TENSORS:
+                save_file(_unshared(trainer.pop(name)), partial / f"{name}.safetensors")
+            # Level 1: several times faster than the default 9, and JSON still shrinks ~4x.
+            buffer = partial / "buffer.json.gz"
+            with gzip.open(buffer, "wt", encoding="utf-8", compresslevel=1) as f:
+                json.dump(state["buffer"], f)
+            rest = {key: value for key, value in state.items() if key != "buffer"}
+            text = json.dumps({"format": FORMAT, "step": step, **rest, "trainer": trainer})
+            (partial / "state.json").write_text(text)
+            _fsync_tree(partial)
+            partial.rename(final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -105,12 +108,29 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"cannot read checkpoint {path}: {error}") from None
 
 
-def latest_checkpoint(run_dir: Path) -> Checkpoint:
+def latest_checkpoint(run_dir: Path, log: Callable[[str], None] = print) -> Checkpoint:
+    """The newest checkpoint that reads back whole. A damaged newer one (a file cut short by a
+    kill or a full disk) is moved aside, to `damaged-stepNNNNNN`, with a line saying so: the run
+    goes on from the one before, and writes its own checkpoint at that step again."""
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         raise CheckpointError(f"no checkpoint in {run_dir / 'checkpoints'} to resume from: the run "
                               "stopped before its first one; start it again instead")  # fmt: skip
-    return load_checkpoint(checkpoints[-1])
+    damaged = []
+    for path in reversed(checkpoints):
+        try:
+            checkpoint = load_checkpoint(path)
+        except CheckpointError as error:
+            damaged.append((path, str(error)))
+            continue
+        for damaged_path, reason in damaged:
+            aside = damaged_path.with_name(f"damaged-{damaged_path.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            damaged_path.rename(aside)
+            log(f"skipping a damaged checkpoint, moved to {aside}: {reason}")
+        return checkpoint
+    raise CheckpointError(f"no checkpoint of {run_dir} reads back whole (the newest: "
+                          f"{damaged[0][1]}); start the run again instead")  # fmt: skip
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -162,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             console.log(f"base policy ready: {path}")
             return 0
         run_dir = train(config, console, resume=resume is not None, overwrite=options.overwrite)
-        interrupted = json.loads((run_dir / "eval.json").read_text())["interrupted"]
-        console.log(f"{'interrupted, saved' if interrupted else 'done'}: {run_dir}")
-        return 130 if interrupted else 0
+        summary = json.loads((run_dir / "eval.json").read_text())
+        console.log(f"{'interrupted, saved' if summary['interrupted'] else 'done'}: {run_dir}")
+        if not summary["interrupted"]:
+            return 0
+        # The shell's convention, 128 + the signal: 130 after Ctrl-C, 143 after SIGTERM.
+        return 128 + signal.Signals[summary.get("stopped_by") or "SIGINT"].value
     except (ConfigError, CheckpointError, FileExistsError, FileNotFoundError) as error:
         print(f"tba: error: {error}", file=sys.stderr)
         return 2

@@ -22,7 +22,9 @@ from tba.templates import template_fields
 
 class Section(BaseModel):
     # strict: `true` is not a number and `"8"` is not an int; a typo must not pass as a value.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # Every number finite: `.inf` as a learning rate trains one step, then fails somewhere deep.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True,
+                              allow_inf_nan=False)  # fmt: skip
 
 
 class PolicyConfig(Section):
@@ -531,7 +533,21 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `1e-4` as a string; read it as the float every user means."""
+    """YAML 1.1 reads `1e-4` as a string; read it as the float every user means. A key given twice
+    in one mapping (a second `train:` section, a setting repeated) is an error, not a silent
+    replacement of the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice (first on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

@@ -2,6 +2,11 @@
 tba module) so that any module can raise them and the CLI can catch them cheaply: bad input exits
 with status 2, a run that cannot go on with status 1."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from safetensors import SafetensorError
+
 
 class ConfigError(ValueError):
     """A bad configuration value, file or override; the message is one line meant for users."""
@@ -29,3 +34,22 @@ class RewardError(RunError):
 
 class TrainingError(RunError):
     """Training itself cannot go on (e.g. non-finite losses step after step)."""
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message in one line: its first non-empty line (with the next one when it
+    ends with a colon), else its type."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+@contextmanager
+def writing(what: str) -> Iterator[None]:
+    """A failed write (a full disk, a read-only directory) as the `OSError` it is, naming `what`:
+    safetensors reports its own I/O failures as `SafetensorError`, which is not one."""
+    try:
+        yield
+    except SafetensorError as error:
+        raise OSError(f"{what}: {error}") from error

@@ -5,13 +5,16 @@ plain estimator with n = k; the unbiased estimator of Chen et al. equals it when
 
 The user's functions (a task's `correct_fn`, or its reward functions for `eval_reward`) are
 called as in training (`tba.rewards.scorer`: TRL's keyword contract, a timeout, faults counted).
-A completion a function could not score counts as wrong, and `eval_unscored` says how many there
-were; a function that fails on every completion stops the run with one line (`RewardError`).
+A completion a function could not score counts as wrong, `eval_unscored` says how many there
+were, and each fault goes to `settings.on_fault` (the run logs it, and stops once a function has
+failed on every completion of several evaluations in a row).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,9 +43,14 @@ class EvalSettings:
     reward_weights: tuple[float, ...] | None = None
     step: int = 0  # optimizer steps taken by the evaluated policy
     max_steps: int = 0
+    # on_fault(function, reason, completions it failed on, completions): a user function's fault
+    on_fault: Callable[[str, str, int, int], None] | None = field(default=None, compare=False)
 
     @classmethod
-    def from_config(cls, config: RunConfig, full: bool = False, step: int = 0) -> EvalSettings:
+    def from_config(
+        cls, config: RunConfig, full: bool = False, step: int = 0,
+        on_fault: Callable[[str, str, int, int], None] | None = None,
+    ) -> EvalSettings:  # fmt: skip
         weights = config.task.reward_weights
         return cls(
             max_new_tokens=config.policy.max_new_tokens, temperature=config.policy.temperature,
@@ -52,7 +60,7 @@ class EvalSettings:
             max_prompt_length=config.policy.max_prompt_length,
             reward_timeout_s=config.searchers.reward_timeout_s,
             reward_weights=tuple(weights) if weights is not None else None,
-            step=step, max_steps=config.train.max_steps,
+            step=step, max_steps=config.train.max_steps, on_fault=on_fault,
         )  # fmt: skip
 
 
@@ -96,11 +104,15 @@ def score_completions(
     )  # fmt: skip
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    # A function that fails on every completion of a held-out set is broken: one call is enough.
+    # Faults go to `on_fault`: whether they stop the run is the run's call, over evaluations.
     scorer = RewardScorer(reward_fns, weights=weights, timeout_s=settings.reward_timeout_s,
-                          max_failures=1)  # fmt: skip
+                          max_failures=sys.maxsize)  # fmt: skip
     state = TrainerState(settings.step, settings.max_steps)
-    return scorer.score(prompts, completions, completion_ids, columns, state)
+    scores = scorer.score(prompts, completions, completion_ids, columns, state)
+    for name, reason, failed in scores.faults:
+        if settings.on_fault is not None:
+            settings.on_fault(name, reason, failed, len(completions))
+    return scores
 
 
 def sampled_pass_at_k(

@@ -14,11 +14,13 @@ goes and at exit; `train(..., resume=True)` continues the run in `output_dir` fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,10 +33,23 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tba import evaluation
 from tba.buffer import ReplayBuffer
-from tba.checkpoint import Checkpoint, check_compatible, latest_checkpoint, save_checkpoint
+from tba.checkpoint import (
+    Checkpoint,
+    check_compatible,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+)
 from tba.config import RunConfig, TrainConfig, dump_config
-from tba.core import Task
-from tba.errors import CheckpointError, TrainingError
+from tba.core import EventLogger, Task
+from tba.errors import (
+    CheckpointError,
+    RewardError,
+    RunError,
+    TrainingError,
+    first_line,
+    writing,
+)
 from tba.evaluation import EvalSettings
 from tba.objectives import BetaSchedule
 from tba.plots import plot_curves
@@ -59,11 +74,41 @@ from tba.tracking import Trackers, open_trackers, require_trackers
 from tba.trainer import Trainer
 
 
-def evaluate(trainer: Trainer, tokenizer, task: Task, config: RunConfig, *, pass_k: bool
-             ) -> dict[str, float]:  # fmt: skip
+class EvalFaults:
+    """Faults of the user's functions in held-out evaluation: each one an event; a function that
+    fails on every completion of `limit` evaluations in a row (`searchers.max_reward_failures`)
+    stops the run, as a reward function failing call after call does."""
+
+    def __init__(self, limit: int, log_event: EventLogger) -> None:
+        self.limit, self.log_event = limit, log_event
+        self.in_a_row: Counter[str] = Counter()
+        self.failed_now: dict[str, str] = {}  # function -> reason, in this evaluation
+
+    def __call__(self, function: str, reason: str, failed: int, total: int) -> None:
+        self.log_event("eval_fault", function=function, reason=reason, failed=failed, of=total)
+        if failed == total:
+            self.failed_now[function] = reason
+
+    def evaluation_done(self) -> None:
+        for function in set(self.in_a_row) | set(self.failed_now):
+            self.in_a_row[function] = self.in_a_row[function] + 1 if function in self.failed_now \
+                else 0  # fmt: skip
+            if self.in_a_row[function] >= self.limit:
+                raise RewardError(
+                    f"{function!r} failed on every held-out completion of its last {self.limit} "
+                    f"evaluations (searchers.max_reward_failures); last: "
+                    f"{self.failed_now[function]}"
+                )
+        self.failed_now.clear()
+
+
+def evaluate(trainer: Trainer, tokenizer, task: Task, config: RunConfig, faults: EvalFaults, *,
+             pass_k: bool) -> dict[str, float]:  # fmt: skip
     """The task's held-out metrics of the trainer's policy (`pass_k`: the costly ones too)."""
-    settings = EvalSettings.from_config(config, pass_k, step=trainer.step_count)
-    return evaluation.evaluate(trainer.model, tokenizer, task, settings)
+    settings = EvalSettings.from_config(config, pass_k, step=trainer.step_count, on_fault=faults)
+    metrics = evaluation.evaluate(trainer.model, tokenizer, task, settings)
+    faults.evaluation_done()
+    return metrics
 
 
 def trainer_threads(config: RunConfig) -> int | None:
@@ -92,24 +137,37 @@ def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Tra
     )
 
 
+class StopRequest(threading.Event):
+    """Set when the run is asked to stop after its current step; `signal` says by which signal."""
+
+    signal: int | None = None
+
+
+# Ctrl-C, and what `timeout`, Docker, Kubernetes and SLURM send before they kill a process.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextmanager
-def stop_on_interrupt() -> Iterator[threading.Event]:
-    """The first Ctrl-C asks the loop to stop after the current step; a second one aborts."""
-    stop = threading.Event()
+def stop_on_interrupt() -> Iterator[StopRequest]:
+    """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (the run is then
+    checkpointed, evaluated and saved); a second one aborts."""
+    stop = StopRequest()
 
     def handler(signum, frame) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
+        stop.signal = signum
         stop.set()
 
     if threading.current_thread() is not threading.main_thread():
         yield stop  # signals only reach the main thread
         return
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, old in previous.items():
+            signal.signal(number, old)
 
 
 def train(
@@ -137,7 +195,7 @@ def train(
     checkpoint = None
     if resume:
         run_dir = Path(config.output_dir)
-        checkpoint = latest_checkpoint(run_dir)
+        checkpoint = latest_checkpoint(run_dir, console.log)
         check_compatible(checkpoint.state["config"], config.model_dump(), checkpoint.path)
         truncate_metrics(run_dir / "metrics.jsonl", checkpoint.step)
     else:
@@ -154,6 +212,7 @@ def train(
     trainer = build_trainer(config, policy_dir, tokenizer, resolve_device(config.policy.device))
     trackers = open_trackers(config, run_dir)
     events = EventLog(run_dir / "events.jsonl", console.log)
+    eval_faults = EvalFaults(config.searchers.max_reward_failures, events)
     console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
     saved_searchers = checkpoint.state["searchers"] if checkpoint else None
     try:
@@ -161,7 +220,7 @@ def train(
         with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
                             saved_searchers) as searchers:  # fmt: skip
             if checkpoint is None:
-                base = evaluate(trainer, tokenizer, task, config, pass_k=True)
+                base = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
             else:
                 base = checkpoint.state["base"]
                 events("resumed", step=checkpoint.step, checkpoint=checkpoint.path.name,
@@ -169,9 +228,10 @@ def train(
             console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
             with stop_on_interrupt() as stop:
                 loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
-                                 run_dir, events, trackers, base, checkpoint)  # fmt: skip
+                                 run_dir, events, trackers, base, eval_faults,
+                                 checkpoint)  # fmt: skip
                 loop.run(console, stop)
-        final = evaluate(trainer, tokenizer, task, config, pass_k=True)
+        final = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
         summary = {"base": base, "final": final, **loop.summary()}
         with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
             metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60,
@@ -202,12 +262,13 @@ class TrainLoop:
         events: EventLog,
         trackers: Trackers | None,
         base: dict[str, float],
+        faults: EvalFaults,
         checkpoint: Checkpoint | None = None,
     ) -> None:
         self.config, self.trainer, self.searchers = config, trainer, searchers
         self.random = random_state
         self.tokenizer, self.task, self.run_dir, self.events = tokenizer, task, run_dir, events
-        self.trackers, self.base = trackers, base
+        self.trackers, self.base, self.faults = trackers, base, faults
         tc = config.train
         self.buffer = ReplayBuffer.from_config(config.buffer)
         self.feed = make_feed(config, searchers, trainer, self.buffer, events)
@@ -239,13 +300,13 @@ class TrainLoop:
         self.checkpoint_failures = 0
         self.train_seconds = 0.0
         self.stopped_by_user = False
+        self.stopped_by: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
         if checkpoint is not None:
             try:
                 self.load_state_dict(checkpoint.state)
             except (RuntimeError, KeyError, ValueError) as error:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
                 raise CheckpointError(
-                    f"checkpoint {checkpoint.path} does not fit this run: {first}"
+                    f"checkpoint {checkpoint.path} does not fit this run: {first_line(error)}"
                 ) from None
 
     # ------------------------------------------------------------------------------ the loop
@@ -271,7 +332,8 @@ class TrainLoop:
                 if record is None:  # interrupted while waiting for data
                     break
                 if self.next_snapshot is not None and record["time"] >= self.next_snapshot:
-                    record["snapshot"] = self._snapshot(step)
+                    if snapshot := self._snapshot(step):
+                        record["snapshot"] = snapshot
                     self.next_snapshot += self.snapshot_every
                 metrics.write(record)
                 self._after_step(step, record)
@@ -283,8 +345,9 @@ class TrainLoop:
                     ),
                 )  # fmt: skip
             self.train_seconds = time.time() - self.start
-            if self.snapshot_every is not None:  # the policy as the run ends, too
-                snapshot = self._snapshot(self.trainer.step_count)
+            # The policy as the run ends, too.
+            if self.snapshot_every is not None and (snapshot := self._snapshot(
+                    self.trainer.step_count)):  # fmt: skip
                 metrics.write({"step": self.trainer.step_count, "time": self.train_seconds,
                                "snapshot": snapshot})  # fmt: skip
         self.save_checkpoint(self.trainer.step_count)
@@ -292,7 +355,9 @@ class TrainLoop:
             log.close()
         self.stopped_by_user = stop.is_set()
         if self.stopped_by_user:
-            self.events("interrupted", step=self.trainer.step_count)
+            number = getattr(stop, "signal", None)
+            self.stopped_by = signal.Signals(number).name if number else None
+            self.events("interrupted", step=self.trainer.step_count, signal=self.stopped_by)
 
     def _step(self, step: int, stop: threading.Event) -> dict | None:
         """Bring data in, sample a batch, set beta, take one optimizer step; the step's metrics."""
@@ -315,7 +380,7 @@ class TrainLoop:
         eval_seconds = 0.0
         if step % self.config.eval.every == 0:
             eval_start = time.time()
-            self.last_eval = evaluate(trainer, self.tokenizer, self.task, self.config,
+            self.last_eval = evaluate(trainer, self.tokenizer, self.task, self.config, self.faults,
                                       pass_k=False)  # fmt: skip
             record |= self.last_eval
             eval_seconds = time.time() - eval_start
@@ -350,20 +415,30 @@ class TrainLoop:
         if due:
             self.next_checkpoint += self.checkpoint_every
 
-    def _snapshot(self, step: int) -> str:
-        return save_snapshot(self.run_dir, snapshot_weights(self.trainer.model), step)
+    def _snapshot(self, step: int) -> str | None:
+        """The policy now, to evaluate after the run; a failed write is logged, not fatal."""
+        try:
+            return save_snapshot(self.run_dir, snapshot_weights(self.trainer.model), step)
+        except OSError as error:
+            self.events("snapshot_failed", step=step, error=str(error))
+            return None
 
     # ---------------------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, step: int) -> Path | None:
-        """A checkpoint of this moment; a failed write (a full disk) is logged and counted, and
-        the run goes on with its earlier checkpoints intact."""
+        """A checkpoint of this moment. A failed write (a full disk) is logged and counted, and
+        the run goes on with its earlier checkpoints intact; without any, it stops at once: a run
+        that cannot save anything would train for nothing."""
         try:
             path = save_checkpoint(self.run_dir, step, self.state_dict(),
                                    keep=self.config.checkpoint.keep)  # fmt: skip
         except OSError as error:
             self.checkpoint_failures += 1
             self.events("checkpoint_failed", step=step, error=str(error))
+            if not list_checkpoints(self.run_dir):
+                raise RunError(f"cannot write a checkpoint ({error}), and the run has none: "
+                               "free space, or choose another output_dir, and start it "
+                               "again") from None  # fmt: skip
             return None
         self.events("checkpoint", step=step, path=str(path))
         return path
@@ -417,6 +492,7 @@ class TrainLoop:
             "steps": self.trainer.step_count,
             "train_minutes": self.train_seconds / 60,
             "interrupted": self.stopped_by_user,
+            "stopped_by": self.stopped_by,
             "warmup_seconds": self.warmup_seconds,
             **self.tally.summary(),
             "samples_generated": generated if generated is not None else counts["merged"],
@@ -447,9 +523,18 @@ def step_limit(train: TrainConfig, num_prompts: int) -> int:
 def save_results(
     run_dir: Path, summary: dict, model, tokenizer, metrics: tuple[str, ...] = ("eval_pass@1",)
 ) -> None:
-    """eval.json, the trained policy in final/, and the curves plot."""
+    """eval.json, the trained policy in final/, and the curves plot; the smallest first, so that a
+    full disk keeps what fits, and says what did not."""
     (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
-    save_policy(model, run_dir / "final")
-    tokenizer.save_pretrained(run_dir / "final")
-    plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png", "tba train",
-                metrics)  # fmt: skip
+    final = run_dir / "final"
+    try:
+        with writing(f"the trained policy in {final}"):
+            save_policy(model, final)
+            tokenizer.save_pretrained(final)
+    except OSError as error:
+        kept = list_checkpoints(run_dir)
+        newest = f"; the newest checkpoint is {kept[-1]}" if kept else ""
+        raise RunError(f"cannot write {error}: eval.json is written{newest}") from None
+    with contextlib.suppress(OSError):  # a plot of what metrics.jsonl holds: not worth failing
+        plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png",
+                    "tba train", metrics)  # fmt: skip

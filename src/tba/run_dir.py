@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from tba.errors import ConfigError, RunError
 from tba.tracking import Trackers
 
 # What a run writes into its directory: what `--overwrite`, or a new start after a run that never
@@ -99,10 +100,9 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop the records of steps after `last_step`: a resumed run redoes them."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]  # fmt: skip
+    kept = [record for record in read_metrics(path) if record["step"] <= last_step]
     partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(line + "\n" for line in kept))
+    partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(partial, path)
 
 
@@ -117,8 +117,11 @@ class MetricsLog:
         self.trackers = trackers
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as error:  # a full disk: the run cannot record what it does
+            raise RunError(f"cannot write {self.path}: {error.strerror or error}") from None
         if self.trackers is not None:
             self.trackers.log(record)
 
@@ -202,7 +205,22 @@ def save_snapshot(run_dir: Path, weights: dict[str, np.ndarray], step: int) -> s
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl (or events.jsonl). A last line cut short (the process was
+    killed while writing it) is left out: its record is lost, the file is not. Any other line that
+    is not JSON is a damaged file: one line naming it."""
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise ConfigError(f"{path}, line {number}, is not a JSON record ({error.msg}): the "
+                              "file is damaged") from None  # fmt: skip
+    return records
 
 
 def samples_consumed(records: list[dict]) -> list[int]:

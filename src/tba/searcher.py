@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.config import RunConfig
 from tba.core import RewardFn, Sample
+from tba.errors import RunError
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
 from tba.policy.sampling import Generation, generate
@@ -122,6 +123,7 @@ class Searcher:
         self.reward_faults: list[tuple[str, str, int]] = []
         self.version = 0
         self.step = 0  # the optimizer step at which the weights of `version` were published
+        self.empty_batches = 0  # batches in a row of which no sample was kept
         self.stream = PromptStream(
             len(rows), seed if stream_seed is None else stream_seed, stream_taken
         )
@@ -192,7 +194,29 @@ class Searcher:
             "reward_unscored": scores.unscored,
             "response_length": tokens / len(out.response_ids),
         }
+        self._check_yield(samples, stats, out)
         return samples, stats
+
+    def _check_yield(self, samples: list[Sample], stats: dict[str, float], out: Generation) -> None:
+        """A batch can lose all of its samples (a reward that failed on it, responses cut off and
+        dropped); `max_reward_failures` batches in a row without one mean the run cannot train:
+        `RunError`, naming why, rather than a run that waits or trains on nothing."""
+        self.empty_batches = 0 if samples else self.empty_batches + 1
+        limit = self.settings.max_reward_failures
+        if self.empty_batches < limit:
+            return
+        cut = sum(out.truncated) if self.settings.truncated == "drop" else 0
+        fault = self.reward_faults[-1] if self.reward_faults else None
+        why = [f"{stats['reward_dropped']} without a usable reward"]
+        if fault is not None:
+            why[0] += f" ({fault[0]} {fault[1]})"
+        if stats["reward_unscored"]:
+            why.append(f"{stats['reward_unscored']} that no reward function scored (all None)")
+        if cut:
+            why.append(f"{cut} cut off at policy.max_new_tokens and dropped (train.truncated=drop)")
+        raise RunError(f"no usable sample in {limit} batches in a row "
+                       f"(searchers.max_reward_failures); of the last {stats['generated']}: "
+                       f"{', '.join(why)}")  # fmt: skip
 
     def take_reward_faults(self) -> list[tuple[str, str, int]]:
         """(function, reason, completions dropped) of every faulty reward call since the last

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tba.config import RunConfig
-from tba.errors import ConfigError
+from tba.errors import ConfigError, first_line
 
 
 class Tracker(Protocol):
@@ -62,8 +62,7 @@ class WandbTracker:
                 settings=wandb.Settings(silent=True, console="off"),
             )  # fmt: skip
         except wandb.errors.Error as error:  # e.g. no API key and no terminal to ask for one
-            first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            raise ConfigError(f"report_to=[wandb]: {first}") from None
+            raise ConfigError(f"report_to=[wandb]: {first_line(error)}") from None
 
     def log(self, numbers: dict[str, float], step: int) -> None:
         self.run.log(numbers, step=step)

@@ -20,6 +20,7 @@ from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from tba.config import LoraConfig
+from tba.errors import ConfigError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -63,8 +64,12 @@ def build_tiny_llama(
 def load_model(
     path: str, device: torch.device | str, dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
-    """Load a causal LM saved with `save_pretrained` (or any Hugging Face model id)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    """Load a causal LM saved with `save_pretrained` (or any Hugging Face model id); one that
+    cannot be loaded is one line (`ConfigError`) naming it and why."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as error:  # missing, incomplete, damaged or unknown: all one line to a user
+        raise ConfigError(f"cannot load a causal LM from {path}: {first_line(error)}") from None
     return model.to(device)
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
 
+from tba.errors import first_line
+
 
 def model_dir(model: str, key: str = "policy.model") -> Path:
     """A local directory holding the model `model` names: the directory itself, or the Hub
@@ -53,10 +55,9 @@ def hub_snapshot(model_id: str, key: str = "policy.model") -> Path:
             looked = f"{where} only (HF_HUB_OFFLINE=1)"
         else:
             looked = f"the Hugging Face Hub and {where}"
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise FileNotFoundError(
             f"{key}: {model_id!r} is not a local directory and was not found in {looked}: "
-            f"{type(error).__name__}{': ' + reason if reason else ''}"
+            f"{type(error).__name__}: {first_line(error)}"
         ) from None
 
 

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tba.core import Prompt
-from tba.errors import ConfigError
+from tba.errors import ConfigError, first_line
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+# What `save_pretrained` writes for a tokenizer of any kind (fast, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt")  # fmt: skip
 CHARSET = string.ascii_letters + string.digits + " \n.,?!:;'$%#+-*/=()<>"
 
 
@@ -65,7 +69,14 @@ def load_tokenizer(path: str, *, chat_template: bool = False) -> PreTrainedToken
     Llama) pads with EOS: every mask is built from sequence lengths, never from `ids != pad`, so a
     pad id equal to EOS is harmless. Padding goes on the left, where generation needs it.
     """
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    local = Path(path).expanduser()
+    if local.is_dir() and not any((local / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}): "
+                          "save the model's tokenizer beside it (tokenizer.save_pretrained)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # incomplete, damaged, unknown: all one line to a user
+        raise ConfigError(f"cannot load a tokenizer from {path}: {first_line(error)}") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(
             f"policy.model: the tokenizer in {path} has no EOS token, so responses could not end"

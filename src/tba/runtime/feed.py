@@ -68,6 +68,7 @@ class Feed(ABC):
         self.reward_faults: Counter[str] = Counter()  # "function: reason" -> completions dropped
         self.next_seq: dict[tuple[int, int], int] = {}  # (searcher, incarnation) -> next seq
         self.sync_next = False  # a resumed run syncs weights at its first step, whatever k
+        self.resumed = False
         self.on_merge: list[Callable[[list[Sample]], None]] = []  # see every new sample
 
     def state_dict(self) -> dict[str, Any]:
@@ -82,6 +83,7 @@ class Feed(ABC):
         self.reward_faults = Counter(state["reward_faults"])
         self.next_seq = {(sid, inc): seq for sid, inc, seq in state["next_seq"]}
         self.sync_next = True
+        self.resumed = True
 
     @staticmethod
     def trainer_threads(config: RunConfig) -> int | None:
@@ -146,7 +148,10 @@ class Feed(ABC):
 
 class SyncFeed(Feed):
     """The synchronous mode: B prompts (`searchers.prompts_per_batch` if set) generated with the
-    weights just published, every step."""
+    weights just published, every step. A generation that keeps no sample (its rewards failed,
+    say) is followed by another one, on the next prompts: the step trains on samples of these
+    weights. The searchers stop the run after `searchers.max_reward_failures` such generations
+    in a row."""
 
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
         start = time.time()
@@ -154,9 +159,14 @@ class SyncFeed(Feed):
             self._sync_weights()
         synced = time.time()
         per_step = self.config.searchers.prompts_per_batch or self.config.train.num_prompts
-        samples, stats = self.searchers.generate(per_step)
-        merged = self._merge(samples, stats)
+        merged: list[Sample] = []
+        generations = 0
+        while not merged and not stop.is_set():
+            samples, stats = self.searchers.generate(per_step)
+            merged = self._merge(samples, stats)
+            generations += 1
         return stats | _arrivals(merged) | {
+            "generations": generations,
             "sync_seconds": synced - start,
             "wait_seconds": time.time() - synced,
         }
@@ -179,13 +189,20 @@ class AsyncFeed(Feed):
 
     def start(self, stop: threading.Event) -> float:
         """Publish the first weights, start the searchers and fill the buffer to
-        `train.initial_buffer_samples`. On a cluster, the trainer then takes the cores that the
-        searchers on its own machine do not reserve."""
+        `train.initial_buffer_samples`. A resumed run, whose buffer is already full, waits for a
+        batch of new samples from its restarted searchers instead: training on the checkpoint's
+        samples alone while they start would replay old samples for tens of steps, which the
+        uninterrupted run, with new samples arriving every step, never did. On a cluster, the
+        trainer then takes the cores that the searchers on its own machine do not reserve."""
         tc = self.config.train
         self._sync_weights()
         self.searchers.start()
-        initial = tc.initial_buffer_samples or 4 * tc.num_prompts * tc.group_size
-        waited = self._wait(lambda: len(self.buffer) >= initial, stop)[0]
+        if self.resumed:
+            target = self.counts["merged"] + tc.num_prompts * tc.group_size
+            waited = self._wait(lambda: self.counts["merged"] >= target, stop)[0]
+        else:
+            initial = tc.initial_buffer_samples or 4 * tc.num_prompts * tc.group_size
+            waited = self._wait(lambda: len(self.buffer) >= initial, stop)[0]
         if cluster_address(self.config) is not None and self.config.policy.num_threads is None:
             beside = math.ceil(self.searchers.cpus_beside_trainer())
             threads = max(1, (os.cpu_count() or 1) - beside)

@@ -28,6 +28,7 @@ import torch
 
 from tba.config import LoraConfig
 from tba.core import RewardFn, Sample
+from tba.errors import RunError
 from tba.policy.model import load_policy, resolve_device
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
@@ -187,7 +188,11 @@ class SearcherActor:
                     self._counters["dropped"] += stats["dropped"]
                     self._counters["truncated"] += stats["truncated_frac"] * stats["generated"]
         except BaseException as error:  # reported to the trainer by the next `collect`
-            self._error = f"{type(error).__name__}: {error}\n\n{traceback.format_exc()}"
+            # An explained failure (a reward function broken for good, no usable samples) is its
+            # one line; anything else also leaves its traceback in the searcher's log.
+            if not isinstance(error, RunError):
+                traceback.print_exc()
+            self._error = f"{type(error).__name__}: {error}"
 
     def _write_ledger(self) -> None:
         if self.ledger_path is None:

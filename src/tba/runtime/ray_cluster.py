@@ -9,6 +9,9 @@
   with `RAY_AUTH_MODE=token`: set here when a token exists and the mode is not chosen (a cluster
   without token checks accepts such a driver as well). A cluster that cannot be joined is one
   line naming the address and what to check.
+
+A local instance is stopped at exit; if this process is killed before it can stop it, a small
+watcher (`ray_reaper.py`) stops what is left.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from tba.config import RunConfig
-from tba.errors import RunError
+from tba.errors import RunError, first_line
 
 TOKEN_FILE = Path("~/.ray/auth_token").expanduser()
 
@@ -79,13 +84,29 @@ def ray_session(config: RunConfig, log=print) -> Iterator[None]:
     try:
         ray.init(**options)
     except ConnectionError as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        reason = first_line(error)
         raise RunError(
             f"cannot join the Ray cluster at {address}: {reason}; is it up (`ray status "
             f"--address {address}`), and if it checks auth tokens, does this machine have its "
             "token (~/.ray/auth_token or RAY_AUTH_TOKEN)?"
         ) from None
+    if address is None:
+        _reap_when_gone(ray)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _reap_when_gone(ray) -> None:
+    """A watcher that stops what is left of the local instance once this process is gone, kill
+    -9 included (`ray_reaper.py`; Linux only)."""
+    node = ray._private.worker._global_node
+    if node is None or not Path("/proc").is_dir():
+        return
+    subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("ray_reaper.py")), str(os.getpid()),
+         node.get_session_dir_path()],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not in the process group that a Ctrl-C or a kill reaches
+    )  # fmt: skip

@@ -20,7 +20,7 @@ import numpy as np
 
 from tba.config import RunConfig
 from tba.core import EventLogger, Sample, Task
-from tba.errors import SearcherError
+from tba.errors import SearcherError, first_line
 from tba.runtime.pool import AsyncSearchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.searcher import SearchSettings
@@ -312,7 +312,7 @@ class RaySearchers(AsyncSearchers):
     def _replace(self, i: int, error: Exception) -> None:
         """A dead searcher process: start a new one in its place, with the latest weights."""
         slot = self.slots[i]
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = first_line(error)
         if slot.restarts >= self.config.searchers.max_restarts:
             raise SearcherError(
                 f"searcher {i} died {slot.restarts + 1} times "
