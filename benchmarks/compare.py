@@ -16,6 +16,7 @@ Suites (`--suite`):
     m         TB at k = 10 with m = 0.5, 0.95 and 1 (the share of groups from fresh samples)
     K         TB with K = 8, 16 and 32 responses per prompt at B * K = 128 samples per step
     trl       TRL's GRPOTrainer alone (use --minutes 30 to see whether it reaches the target)
+    engines   TBA with the searchers generating with the built-in engine and with vLLM
 
     python -m benchmarks.compare --suite stress                 # 5 methods x 3 seeds x 5 min
     python -m benchmarks.compare --suite k --seeds 1 --minutes 2
@@ -95,13 +96,19 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             for k in (8, 16, 32)
         },  # fmt: skip
         "trl": {"trl": trl_method(args.trl_lr)},
+        "engines": {
+            "tba": Method("TBA, builtin engine"),
+            "tba-vllm": Method("TBA, vLLM engine", ["searchers.engine=vllm"]),
+        },
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, minutes=5.0, out="runs/compare")
-    parser.add_argument("--suite", default="main", choices=["main", "stress", "k", "m", "K", "trl"])
+    parser.add_argument(
+        "--suite", default="main", choices=["main", "stress", "k", "m", "K", "trl", "engines"]
+    )
     parser.add_argument("--trl-lr", type=float, default=5e-5, help="TRL's learning rate")
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -72,7 +72,8 @@ def fake_groups(tokenizer, num_prompts: int, group_size: int, length: int):
         prompt = tokenizer(row["prompt"])["input_ids"]
         groups.append([
             Sample(prompt_id, prompt, [rng.randrange(4, 60) for _ in range(length)],
-                   reward=float(k % 2), ref_logp=-50.0, behaviour_logp=-50.0, version=0)
+                   reward=float(k % 2), ref_logp=-50.0, behaviour_logp=-50.0, version=0,
+                   behaviour_token_logps=[-50.0 / length] * length)
             for k in range(group_size)
         ])  # fmt: skip
     return groups
@@ -126,11 +127,15 @@ def write_payload(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------------------- the driver
 
 
-def create_model(directory: Path) -> int:
+def create_model(directory: Path, hidden_size: int = 768, num_layers: int = 12) -> int:
+    """A random Llama (32k vocabulary, tied embeddings, heads of 64) saved in `directory`; its
+    parameter count. The defaults: 110M parameters."""
     tokenizer = build_char_tokenizer()
+    heads = hidden_size // 64
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024,
+        vocab_size=32000, hidden_size=hidden_size, intermediate_size=hidden_size * 8 // 3 // 64
+        * 64, num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
     )  # fmt: skip

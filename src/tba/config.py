@@ -345,8 +345,41 @@ class BufferConfig(Section):
     )
 
 
+class VllmConfig(Section):
+    """vLLM as the searchers' engine (`searchers.engine=vllm`): one engine in each searcher
+    process (docs/engines.md)."""
+
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="share of the device's memory the engine takes for weights "
+        "and KV cache (on vLLM's CPU backend: the share of RAM for the KV cache)",
+    )
+    kv_cache_gb: float | None = Field(
+        None, gt=0, description="the KV cache's size in GiB, instead of a share of memory "
+        "(default: the share on a GPU; 1 GiB on vLLM's CPU backend, where the share is of RAM "
+        "less what the process already holds)",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="prompt + response tokens a sequence may hold (default: the "
+        "model's own limit)",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the engine's weights (`auto`: policy.dtype)"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine spans")
+    enforce_eager: bool = Field(
+        False, description="no CUDA graphs (less start-up time and memory, slower decoding)"
+    )
+
+
 class SearchersConfig(Section):
     """The processes that generate and score samples (Ray actors)."""
+
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin", description="what searchers generate with: `builtin` (tba's KV-cache sampler; "
+        "the faster on a CPU) or `vllm` (a vLLM engine in each searcher, for GPUs; `pip install "
+        "'tba[vllm]'`)",
+    )
+    vllm: VllmConfig = VllmConfig()
 
     count: int = Field(
         1, ge=0, description="searcher processes; 0 runs one searcher inside the trainer "
@@ -380,6 +413,25 @@ class SearchersConfig(Section):
     max_reward_failures: int = Field(
         5, ge=1, description="a reward function that fails on this many calls in a row stops "
         "the run",
+    )
+
+
+class TrainerConfig(Section):
+    """Where the trainer runs: in this process (`world_size` 1), or as `world_size` processes
+    that shard the policy, its gradients and Adam's state with FSDP2, placed by Ray on this
+    machine or across a cluster (docs/sharding.md)."""
+
+    world_size: int = Field(
+        1, ge=1, description="trainer processes (ranks) sharding the policy; 1: this process "
+        "holds all of it",
+    )
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per rank")
+    num_gpus: float = Field(
+        0.0, ge=0, description="Ray GPUs reserved per rank: ranks with a GPU train on it "
+        "(NCCL), the others on their CPU (gloo)",
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads per rank (default: its num_cpus)"
     )
 
 
@@ -437,6 +489,7 @@ class RunConfig(Section):
     lora: LoraConfig = LoraConfig()
     buffer: BufferConfig = BufferConfig()
     searchers: SearchersConfig = SearchersConfig()
+    trainer: TrainerConfig = TrainerConfig()
     ray: RayConfig = RayConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -455,6 +508,13 @@ class RunConfig(Section):
     def _check_runtime(self) -> RunConfig:
         if self.train.mode == "async" and self.searchers.count == 0:
             raise ValueError("searchers.count=0 (in-process searcher) needs train.mode=sync")
+        ranks = self.trainer.world_size
+        if ranks > 1 and self.lora.r > 0:
+            raise ValueError("trainer.world_size > 1 shards full fine-tuning; LoRA (lora.r > 0) "
+                             "trains on one rank: set trainer.world_size=1")  # fmt: skip
+        if ranks > self.train.num_prompts:
+            raise ValueError(f"trainer.world_size={ranks} needs train.num_prompts >= {ranks}: "
+                             "every rank trains on whole groups")  # fmt: skip
         return self
 
 

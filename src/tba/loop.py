@@ -6,8 +6,9 @@ asynchronous modes differ, and where both are described), samples a batch from t
 beta by its schedule, takes one optimizer step and records it: the step's metrics, how stale the
 batch was and what it was made of (`tba.tally`).
 
-The trainer runs in this process; the searchers run as Ray actors (`searchers.count >= 1`) or, in
-the synchronous mode with `searchers.count=0`, inside this process without Ray. The loop writes
+The trainer runs in this process, or as `trainer.world_size` Ray actors that shard the policy;
+the searchers run as Ray actors (`searchers.count >= 1`) or, in the synchronous mode with
+`searchers.count=0`, inside this process without Ray (`tba.runtime.launch`). The loop writes
 checkpoints (`tba.checkpoint`) of its `state_dict()`, every component's state in one dict, as it
 goes and at exit; `train(..., resume=True)` continues the run in `output_dir` from its newest one.
 """
@@ -53,7 +54,8 @@ from tba.errors import (
 from tba.evaluation import EvalSettings
 from tba.objectives import BetaSchedule
 from tba.plots import plot_curves
-from tba.policy.model import load_policy, resolve_device, save_policy, snapshot_weights
+from tba.policy.engines import require_vllm
+from tba.policy.model import save_policy, snapshot_weights
 from tba.policy.tokenizer import load_tokenizer
 from tba.rng import RandomState
 from tba.run_dir import (
@@ -66,8 +68,9 @@ from tba.run_dir import (
     truncate_metrics,
 )
 from tba.runtime.feed import FEEDS, make_feed
-from tba.runtime.launch import open_searchers
+from tba.runtime.launch import open_searchers, open_trainer
 from tba.runtime.pool import Searchers
+from tba.runtime.ray_trainer import RankedTrainer
 from tba.tally import Tally
 from tba.tasks import load_task, resolve_policy
 from tba.tracking import Trackers, open_trackers, require_trackers
@@ -102,8 +105,10 @@ class EvalFaults:
         self.failed_now.clear()
 
 
-def evaluate(trainer: Trainer, tokenizer, task: Task, config: RunConfig, faults: EvalFaults, *,
-             pass_k: bool) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    trainer: Trainer | RankedTrainer, tokenizer, task: Task, config: RunConfig,
+    faults: EvalFaults, *, pass_k: bool,
+) -> dict[str, float]:  # fmt: skip
     """The task's held-out metrics of the trainer's policy (`pass_k`: the costly ones too)."""
     settings = EvalSettings.from_config(config, pass_k, step=trainer.step_count, on_fault=faults)
     metrics = evaluation.evaluate(trainer.model, tokenizer, task, settings)
@@ -114,27 +119,6 @@ def evaluate(trainer: Trainer, tokenizer, task: Task, config: RunConfig, faults:
 def trainer_threads(config: RunConfig) -> int | None:
     """Torch threads of the trainer: as configured, else what its mode's feed leaves it."""
     return config.policy.num_threads or FEEDS[config.train.mode].trainer_threads(config)
-
-
-def build_trainer(config: RunConfig, policy_dir: Path, tokenizer, device) -> Trainer:
-    return Trainer(
-        load_policy(
-            str(policy_dir), device, dtype=config.policy.dtype, lora=config.lora,
-            gradient_checkpointing=config.train.gradient_checkpointing,
-        ),  # fmt: skip
-        pad_id=tokenizer.pad_token_id,
-        temperature=config.policy.temperature,
-        learning_rate=config.train.learning_rate,
-        warmup_steps=config.train.warmup_steps,
-        max_grad_norm=config.train.max_grad_norm,
-        loss=config.train.loss,
-        clip_eps=config.train.clip_eps,
-        trust_region=config.train.trust_region,
-        log_z=config.train.log_z,
-        log_z_lr=config.train.log_z_lr,
-        baseline_kl=config.train.baseline_kl,
-        micro_batch_groups=config.train.micro_batch_groups,
-    )
 
 
 class StopRequest(threading.Event):
@@ -184,11 +168,14 @@ def train(
     threads = trainer_threads(config)
     if threads:
         torch.set_num_threads(threads)
-    # The data first: a bad file or row stops the run before any model is loaded.
+    # Missing software first, then the data: a bad file or row stops the run before any model
+    # is loaded.
+    require_trackers(config.report_to)
+    if config.searchers.engine == "vllm":
+        require_vllm()
     if task is None:
         task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
                          cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
-    require_trackers(config.report_to)
     # So is the model, unless it comes with the run (`save_policy`) and is only written below.
     if save_policy is None:
         policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
@@ -209,37 +196,37 @@ def train(
     tokenizer = load_tokenizer(
         str(policy_dir), chat_template=config.policy.chat_template or task.conversational
     )
-    trainer = build_trainer(config, policy_dir, tokenizer, resolve_device(config.policy.device))
     trackers = open_trackers(config, run_dir)
     events = EventLog(run_dir / "events.jsonl", console.log)
     eval_faults = EvalFaults(config.searchers.max_reward_failures, events)
     console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
     saved_searchers = checkpoint.state["searchers"] if checkpoint else None
     try:
-        # Searcher processes start while the base policy is evaluated here.
-        with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
-                            saved_searchers) as searchers:  # fmt: skip
-            if checkpoint is None:
-                base = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
-            else:
-                base = checkpoint.state["base"]
-                events("resumed", step=checkpoint.step, checkpoint=checkpoint.path.name,
-                       discarded_in_flight=searchers.discarded_in_flight)  # fmt: skip
-            console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
-            with stop_on_interrupt() as stop:
-                loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
-                                 run_dir, events, trackers, base, eval_faults,
-                                 checkpoint)  # fmt: skip
-                loop.run(console, stop)
-        final = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
-        summary = {"base": base, "final": final, **loop.summary()}
-        with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
-            metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60,
-                           **final})  # fmt: skip
+        with open_trainer(config, policy_dir, tokenizer.pad_token_id, events) as trainer:
+            # Searcher processes start while the base policy is evaluated here.
+            with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
+                                saved_searchers) as searchers:  # fmt: skip
+                if checkpoint is None:
+                    base = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
+                else:
+                    base = checkpoint.state["base"]
+                    events("resumed", step=checkpoint.step, checkpoint=checkpoint.path.name,
+                           discarded_in_flight=searchers.discarded_in_flight)  # fmt: skip
+                console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
+                with stop_on_interrupt() as stop:
+                    loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
+                                     run_dir, events, trackers, base, eval_faults,
+                                     checkpoint)  # fmt: skip
+                    loop.run(console, stop)
+            final = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
+            summary = {"base": base, "final": final, **loop.summary()}
+            with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
+                metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60,
+                               **final})  # fmt: skip
+            save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
     finally:
         events.close()
         trackers.close()
-    save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
     console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     return run_dir
 
@@ -253,7 +240,7 @@ class TrainLoop:
     def __init__(
         self,
         config: RunConfig,
-        trainer: Trainer,
+        trainer: Trainer | RankedTrainer,
         searchers: Searchers,
         random_state: RandomState,
         tokenizer,

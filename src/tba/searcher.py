@@ -20,9 +20,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tba.config import RunConfig
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
+from tba.policy.engines import BuiltinEngine, Engine, VllmEngine, VllmSettings
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
-from tba.policy.sampling import Generation, generate
+from tba.policy.sampling import Generation
 from tba.policy.tokenizer import encode_prompts
 from tba.rewards.scorer import RewardScorer, Scores, TrainerState
 
@@ -37,6 +38,8 @@ class SearchSettings:
     chat_template: bool = False  # prompts wrapped in the tokenizer's chat template
     reward_timeout_s: float = 60.0
     max_reward_failures: int = 5
+    engine: str = "builtin"  # or "vllm" (`tba.policy.engines`)
+    vllm: VllmSettings = VllmSettings()
     reward_weights: list[float] | None = None  # one per reward function (None: all 1)
     max_prompt_length: int | None = None  # longer prompts keep their last tokens
     max_steps: int = 0  # the run's step limit, for the reward functions' `trainer_state`
@@ -57,6 +60,10 @@ class SearchSettings:
             max_reward_failures=config.searchers.max_reward_failures,
             chat_template=config.policy.chat_template,
             sample_temperature=config.searchers.temperature,
+            engine=config.searchers.engine,
+            vllm=VllmSettings(**(config.searchers.vllm.model_dump() | {
+                "dtype": config.policy.dtype if config.searchers.vllm.dtype == "auto"
+                else config.searchers.vllm.dtype})),
             reward_weights=config.task.reward_weights,
             max_prompt_length=config.policy.max_prompt_length,
             max_steps=tc.max_steps,
@@ -100,11 +107,13 @@ class Searcher:
         incarnation: int = 0,
         stream_seed: int | None = None,
         stream_taken: int = 0,
+        model_dir: str | None = None,
     ) -> None:
         """`seed` drives sampling; the prompt order comes from `stream_seed` (default: `seed`),
         continued from position `stream_taken`. Samples are numbered per `incarnation` (a
         restarted searcher process is a new one), so the trainer can tell a sample handed over
-        twice or never from the others."""
+        twice or never from the others. `model_dir`: where `model` was loaded from (a vLLM
+        engine loads it from there)."""
         self.policy = model
         # With LoRA the reference is the base model with the adapters switched off: one copy of
         # the base weights in this process, not two.
@@ -131,12 +140,20 @@ class Searcher:
             tokenizer, [row["prompt"] for row in rows], chat_template=settings.chat_template,
             max_length=settings.max_prompt_length,
         )  # fmt: skip
-        self.generator = torch.Generator(device=next(model.parameters()).device)
-        self.generator.manual_seed(seed)
+        self.engine: Engine
+        if settings.engine == "vllm":
+            if model_dir is None:
+                raise ValueError("a vLLM engine needs the model's directory (model_dir)")
+            # It loads the base weights from the directory: fresh adapters leave them unchanged.
+            self.engine = VllmEngine(model_dir, tokenizer.eos_token_id, seed, settings.vllm)
+        else:
+            self.engine = BuiltinEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                        seed)  # fmt: skip
 
     def set_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
         """Adopt the weights of `version`, published at optimizer step `step`."""
         set_weights(self.policy, weights)
+        self.engine.load_weights(self.policy)
         self.version, self.step = version, step
 
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
@@ -145,15 +162,8 @@ class Searcher:
         s = self.settings
         row_ids = [i for i in self.stream.take(num_prompts) for _ in range(s.samples_per_prompt)]
         prompts = [self.prompt_ids[i] for i in row_ids]
-        out = generate(
-            self.policy,
-            prompts,
-            eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.sample_temperature or s.temperature,
-            generator=self.generator,
-        )
+        out = self.engine.generate(prompts, max_new_tokens=s.max_new_tokens,
+                                   temperature=s.sample_temperature or s.temperature)
         completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         scores, rewards, reward_dropped = self._score(row_ids, completions, out)
         ref_logps = self._reference_logps(prompts, out.response_ids)

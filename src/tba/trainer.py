@@ -26,12 +26,14 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from tba.config import RunConfig
 from tba.core import Sample
 from tba.objectives import BASELINE_KLS, OBJECTIVES, TRUST_REGIONS, LossInputs
 from tba.policy.logprobs import token_logprobs
@@ -41,9 +43,100 @@ from tba.policy.precision import MasterWeights
 RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 1.2]
 
 
-class Trainer:
+class LearnedLogZ(torch.nn.Module):
+    """log Z(x) learned with the policy (as in GFlowNet red-teaming): a linear head on the mean
+    of the prompt's input embeddings, read without gradient into the policy. Its bias starts at
+    the first batch's VarGrad estimate, mean(-delta), so that it does not spend its first
+    hundreds of steps climbing from 0 to a log Z of -20."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        # token ids -> input embeddings: the policy's own embedding layer, or (sharded) a lookup
+        # in the table gathered for the step. Not a submodule: the head owns no policy weight.
+        self.embed: Callable[[torch.Tensor], torch.Tensor] = model.get_input_embeddings().forward
+        first = next(model.parameters())
+        width = model.get_input_embeddings().embedding_dim
+        self.head = torch.nn.Linear(width, 1, device=first.device)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.ready = False
+
+    def forward(
+        self, flat: list[Sample], logp: torch.Tensor, ref_logp: torch.Tensor,
+        rewards: torch.Tensor, beta: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """log Z of each sample's prompt, shape (N,)."""
+        if not self.ready:
+            with torch.no_grad():
+                self.head.bias.fill_(self._mean(rewards / beta - logp + ref_logp))
+            self.ready = True
+        device = self.head.weight.device
+        with torch.no_grad():
+            pooled = torch.stack([
+                self.embed(torch.tensor(s.prompt_ids, device=device)).float().mean(0)
+                for s in flat
+            ])  # fmt: skip
+        return self.head(pooled).squeeze(-1)
+
+    def _mean(self, values: torch.Tensor) -> float:
+        """The mean of `values` (when sharded: over every rank's)."""
+        return float(values.mean())
+
+
+def trainer_settings(config: RunConfig, pad_id: int) -> dict[str, Any]:
+    """`Trainer`'s keyword arguments (all but the model) as `config` sets them."""
+    tc = config.train
+    return {
+        "pad_id": pad_id, "temperature": config.policy.temperature,
+        "learning_rate": tc.learning_rate, "warmup_steps": tc.warmup_steps,
+        "max_grad_norm": tc.max_grad_norm, "loss": tc.loss, "clip_eps": tc.clip_eps,
+        "trust_region": tc.trust_region, "log_z": tc.log_z, "log_z_lr": tc.log_z_lr,
+        "baseline_kl": tc.baseline_kl, "micro_batch_groups": tc.micro_batch_groups,
+    }  # fmt: skip
+
+
+class WeightVersions:
+    """The trainer's clock: optimizer steps taken, and the weight versions published (each
+    tagged with the step it was published at), to tell how far behind a sample is."""
+
+    def __init__(self) -> None:
+        self.version = 0  # weight version: bumped at every publish
+        self.publish_steps = [0]  # [v]: optimizer steps taken when version v was published
+        self.step_count = 0
+        self.skipped_steps = 0  # non-finite loss or gradient: no update
+
+    def steps_behind(self, version: int) -> int:
+        """Optimizer steps taken since the weights of `version` were published: how far a
+        sample of that version is from the policy being trained."""
+        return self.step_count - self.publish_steps[version]
+
+    def oldest_version_within(self, steps: int) -> int:
+        """The oldest version published at most `steps` optimizer steps ago; the newest published
+        one when none is (its samples are all the searchers have)."""
+        return min(bisect.bisect_left(self.publish_steps, self.step_count - steps), self.version)
+
+    def _publish(self) -> int:
+        """A new version of the weights as they are now."""
+        self.version += 1
+        self.publish_steps.append(self.step_count)
+        return self.version
+
+    def versions_state(self) -> dict[str, Any]:
+        return {"version": self.version, "publish_steps": self.publish_steps,
+                "step_count": self.step_count, "skipped_steps": self.skipped_steps}  # fmt: skip
+
+    def load_versions_state(self, state: dict[str, Any]) -> None:
+        self.version = state["version"]
+        self.publish_steps = list(state["publish_steps"])
+        self.step_count = state["step_count"]
+        self.skipped_steps = state["skipped_steps"]
+
+
+class Trainer(WeightVersions):
     """The policy being trained, its optimizer and its weight versions: `step` on a batch,
     `next_version` of the weights for the searchers, and `state_dict` for checkpoints."""
+
+    log_z_class = LearnedLogZ  # one per rank when sharded (`tba.runtime.fsdp`)
 
     def __init__(
         self,
@@ -76,11 +169,13 @@ class Trainer:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.micro_batch_groups = micro_batch_groups
+        self.gradient_scale = 1.0  # ranks whose gradients are averaged scale theirs up by N
         # Only the trainable weights (with LoRA: the adapters); bf16 ones through fp32 masters.
         self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad])
         groups = [{"params": self.masters.params, "lr": learning_rate}]
         # TB's log Z: VarGrad's per-group estimate, or learned with the policy at its own rate.
-        self.log_z_head = LearnedLogZ(model) if log_z == "learned" and loss == "tb" else None
+        learned = log_z == "learned" and loss == "tb"
+        self.log_z_head = self.log_z_class(model) if learned else None
         if self.log_z_head is not None:
             groups.append({"params": list(self.log_z_head.parameters()), "lr": log_z_lr})
         self.optimizer = torch.optim.Adam(groups)
@@ -89,10 +184,7 @@ class Trainer:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
         )
-        self.version = 0  # weight version: bumped at every publish
-        self.publish_steps = [0]  # [v]: optimizer steps taken when version v was published
-        self.step_count = 0
-        self.skipped_steps = 0  # non-finite loss or gradient: no update
+        super().__init__()
 
     def weights(self) -> dict[str, np.ndarray]:
         return get_weights(self.model)
@@ -100,38 +192,42 @@ class Trainer:
     def next_version(self) -> tuple[dict[str, np.ndarray], int, int]:
         """The current weights as the next version, for the searchers: (weights, version, the
         optimizer steps taken so far)."""
-        self.version += 1
-        self.publish_steps.append(self.step_count)
-        return self.weights(), self.version, self.step_count
-
-    def steps_behind(self, version: int) -> int:
-        """Optimizer steps taken since the weights of `version` were published: how far a
-        sample of that version is from the policy being trained."""
-        return self.step_count - self.publish_steps[version]
-
-    def oldest_version_within(self, steps: int) -> int:
-        """The oldest version published at most `steps` optimizer steps ago; the newest published
-        one when none is (its samples are all the searchers have)."""
-        return min(bisect.bisect_left(self.publish_steps, self.step_count - steps), self.version)
+        version = self._publish()
+        return self.weights(), version, self.step_count
 
     def step(self, groups: list[list[Sample]], beta: float) -> dict[str, float]:
-        start = time.time()
-        total = sum(len(g) for g in groups)
+        """One optimizer step on the batch's groups."""
         chunk = self.micro_batch_groups or len(groups)
+        micro_batches = [[s for group in groups[first : first + chunk] for s in group]
+                         for first in range(0, len(groups), chunk)]  # fmt: skip
+        return self._step(micro_batches, beta, total=sum(len(g) for g in groups))
+
+    def _step(
+        self, micro_batches: list[list[Sample]], beta: float, total: int, padding: int = 0
+    ) -> dict[str, float]:
+        """Accumulate the gradient of the mean loss over `total` samples, micro-batch by
+        micro-batch, then clip and step. The last `padding` micro-batches only keep collectives
+        in step across ranks (`tba.runtime.fsdp`): they count for nothing."""
+        start = time.time()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for first in range(0, len(groups), chunk):
-            flat = [s for group in groups[first : first + chunk] for s in group]
+        self._before_micro_batches()
+        sums: dict[str, float] = {"tokens": 0.0}
+        for index, flat in enumerate(micro_batches):
+            counted = index < len(micro_batches) - padding
             loss, stats = self._loss(flat, beta)
             # Weighted so that the accumulated gradient is that of the mean over the whole batch.
-            (loss * len(flat) / total).backward()
+            (loss * (len(flat) / total * self.gradient_scale if counted else 0.0)).backward()
             self.masters.grads_to_masters()
+            if not counted:
+                continue
             for key, value in {"loss": loss.item(), **stats}.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * len(flat)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.params, self.max_grad_norm)
+            sums["tokens"] += sum(len(s.prompt_ids) + len(s.response_ids) for s in flat)
+        sums = self._sum_over_ranks(sums)
+        grad_norm = self._clip_grad_norm()
         # One inf or NaN would poison Adam's moments for good: skip the update instead.
-        finite = math.isfinite(sums["loss"]) and bool(torch.isfinite(grad_norm))
+        finite = math.isfinite(sums["loss"]) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
             self.masters.masters_to_model()
@@ -140,16 +236,26 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
         self.step_count += 1
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g)
+        tokens = sums.pop("tokens")
         elapsed = time.time() - start
         return {
             **{key: value / total for key, value in sums.items()},
-            "grad_norm": float(grad_norm),  # before clipping
-            "clip_factor": min(1.0, self.max_grad_norm / (float(grad_norm) + 1e-6)),
+            "grad_norm": grad_norm,  # before clipping
+            "clip_factor": min(1.0, self.max_grad_norm / (grad_norm + 1e-6)),
             "skipped": float(not finite),
             "train_seconds": elapsed,
             "train_tokens_per_s": tokens / elapsed,
         }
+
+    # One process holds the whole model: nothing to gather or add up (`tba.runtime.fsdp` does).
+    def _before_micro_batches(self) -> None:
+        pass
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        return sums
+
+    def _clip_grad_norm(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.masters.params, self.max_grad_norm))
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -172,10 +278,7 @@ class Trainer:
             "param_groups": optimizer["param_groups"],
             "optimizer_scalars": scalars,
             "schedule": self.schedule.state_dict(),  # its lambda is code: saved as null
-            "version": self.version,
-            "publish_steps": self.publish_steps,
-            "step_count": self.step_count,
-            "skipped_steps": self.skipped_steps,
+            **self.versions_state(),
         }
         if self.log_z_head is not None:
             for name, value in self.log_z_head.state_dict().items():
@@ -200,10 +303,7 @@ class Trainer:
             self.log_z_head.ready = state["log_z_ready"]
         self.optimizer.load_state_dict({"state": optimizer, "param_groups": state["param_groups"]})
         self.schedule.load_state_dict(state["schedule"])
-        self.version = state["version"]
-        self.publish_steps = list(state["publish_steps"])
-        self.step_count = state["step_count"]
-        self.skipped_steps = state["skipped_steps"]
+        self.load_versions_state(state)
 
     def _loss(self, flat: list[Sample], beta: float) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective on one micro-batch, and its metrics (means over its samples)."""
@@ -235,39 +335,6 @@ class Trainer:
             )
         )  # fmt: skip
         return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
-
-
-class LearnedLogZ(torch.nn.Module):
-    """log Z(x) learned with the policy (as in GFlowNet red-teaming): a linear head on the mean
-    of the prompt's input embeddings, read without gradient into the policy. Its bias starts at
-    the first batch's VarGrad estimate, mean(-delta), so that it does not spend its first
-    hundreds of steps climbing from 0 to a log Z of -20."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        super().__init__()
-        self.embeddings = [model.get_input_embeddings()]  # a list: not a submodule of the head
-        first = next(model.parameters())
-        self.head = torch.nn.Linear(self.embeddings[0].embedding_dim, 1, device=first.device)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-        self.ready = False
-
-    def forward(
-        self, flat: list[Sample], logp: torch.Tensor, ref_logp: torch.Tensor,
-        rewards: torch.Tensor, beta: float,
-    ) -> torch.Tensor:  # fmt: skip
-        """log Z of each sample's prompt, shape (N,)."""
-        if not self.ready:
-            with torch.no_grad():
-                self.head.bias.fill_(float((rewards / beta - logp + ref_logp).mean()))
-            self.ready = True
-        device = self.head.weight.device
-        with torch.no_grad():
-            pooled = torch.stack([
-                self.embeddings[0](torch.tensor(s.prompt_ids, device=device)).float().mean(0)
-                for s in flat
-            ])  # fmt: skip
-        return self.head(pooled).squeeze(-1)
 
 
 def _behaviour_token_logps(flat: list[Sample], width: int, device) -> torch.Tensor | None:

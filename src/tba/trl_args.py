@@ -174,7 +174,13 @@ TRL_ARGUMENTS: dict[str, Mapped | Ignored | Refused] = {
                                  "policy.max_new_tokens)", _none_or_empty),
     "chat_template_kwargs": Refused("tba renders chats with the tokenizer's template as it is",
                                     _none_or_empty),
-    "use_vllm": Refused("vLLM generation is not available yet in tba", _same(False)),
+    "use_vllm": Mapped("searchers.engine=vllm (vLLM inside each searcher process)",
+                       lambda value: {"searchers.engine": "vllm" if value else "builtin"}),
+    "vllm_mode": Ignored("tba's vLLM engines run inside its searcher processes, neither as a "
+                         "server nor beside the trainer (docs/engines.md)"),
+    "vllm_gpu_memory_utilization": _to("searchers.vllm.gpu_memory_utilization"),
+    "vllm_tensor_parallel_size": _to("searchers.vllm.tensor_parallel_size"),
+    "vllm_max_model_length": _to("searchers.vllm.max_model_len"),
     # Precision and devices.
     "bf16": Mapped("policy.dtype=bfloat16", _bf16),
     "fp16": Refused("use bf16=True (policy.dtype=bfloat16)",

@@ -148,7 +148,7 @@ def get_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """What a searcher needs to become this policy, as numpy arrays (the format that crosses
     process boundaries without copies): every weight, or with LoRA only the adapters. Copied, so
     that later training steps do not change a published version."""
-    return {name: _to_numpy(tensor) for name, tensor in _published_state(model).items()}
+    return as_numpy(_published_state(model))
 
 
 def set_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
@@ -168,6 +168,11 @@ def _published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not is_lora(model):
         return model.state_dict()
     return peft.get_peft_model_state_dict(model)
+
+
+def as_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Tensors as numpy arrays (copies); bf16 ones as their bits, in int16 (`_from_numpy`)."""
+    return {name: _to_numpy(tensor) for name, tensor in tensors.items()}
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from tba.core import Sample
 from tba.runtime.pool import Searchers
@@ -37,7 +36,7 @@ class InProcessSearchers(Searchers):
         return {
             "stream_taken": searcher.stream.taken,
             "num_generated": searcher.num_generated,
-            "generator": searcher.generator.get_state().tolist(),
+            "engine": searcher.engine.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -45,7 +44,9 @@ class InProcessSearchers(Searchers):
         searcher.stream = PromptStream(searcher.stream.num_rows, searcher.stream.seed,
                                        state["stream_taken"])  # fmt: skip
         searcher.num_generated = state["num_generated"]
-        searcher.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        # Checkpoints of earlier versions hold the built-in engine's generator as "generator".
+        engine = state["engine"] if "engine" in state else {"generator": state["generator"]}
+        searcher.engine.load_state_dict(engine)
 
     def close(self) -> None:
         """Nothing to release: the searcher lives and ends with this process."""

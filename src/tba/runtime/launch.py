@@ -1,5 +1,11 @@
-"""Starting the run's searchers where the config says: one inside the trainer process
-(`searchers.count=0`), or `searchers.count` Ray actors on a local Ray instance or a cluster."""
+"""Starting the run's trainer and searchers where the config says.
+
+- The trainer: in this process (`trainer.world_size=1`), or as `trainer.world_size` Ray actors
+  sharding the policy with FSDP2 (`ray_trainer.RankedTrainer`).
+- The searchers: one inside this process (`searchers.count=0`), or `searchers.count` Ray actors.
+
+Ray (a local instance or a cluster, `ray_cluster.ray_session`) lives as long as whatever uses it.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,30 @@ from tba.runtime.in_process import InProcessSearchers
 from tba.runtime.pool import Searchers
 from tba.runtime.ray_cluster import ray_session
 from tba.runtime.ray_pool import RaySearchers
+from tba.runtime.ray_trainer import RankedTrainer
 from tba.searcher import Searcher, SearchSettings
+from tba.trainer import Trainer, trainer_settings
+
+
+@contextmanager
+def open_trainer(
+    config: RunConfig, policy_dir: Path, pad_id: int, log_event: EventLogger
+) -> Iterator[Trainer | RankedTrainer]:
+    """The run's trainer, at step 0 (a checkpoint is loaded into it by the loop); with several
+    ranks, they are stopped on exit."""
+    if config.trainer.world_size == 1:
+        model = load_policy(
+            str(policy_dir), resolve_device(config.policy.device), dtype=config.policy.dtype,
+            lora=config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
+        )  # fmt: skip
+        yield Trainer(model, **trainer_settings(config, pad_id))
+        return
+    with ray_session(config, lambda text: log_event("ray", message=text)):
+        trainer = RankedTrainer(config, policy_dir, pad_id, log_event)
+        try:
+            yield trainer
+        finally:
+            trainer.close()
 
 
 @contextmanager
@@ -36,7 +65,7 @@ def open_searchers(
         searcher = Searcher(
             load_policy(str(policy_dir), device, dtype=config.policy.dtype, lora=config.lora),
             tokenizer, task.train_rows, task.reward_fns,
-            SearchSettings.from_config(config), seed=config.seed,
+            SearchSettings.from_config(config), seed=config.seed, model_dir=str(policy_dir),
         )  # fmt: skip
         local = InProcessSearchers(searcher)
         if state:

@@ -71,6 +71,7 @@ class SearcherActor:
         self.searcher = Searcher(
             model, tokenizer, rows, reward_fns, settings, searcher_id=searcher_id, seed=seed,
             incarnation=incarnation, stream_seed=stream_seed, stream_taken=stream_taken,
+            model_dir=policy_dir,
         )  # fmt: skip
         self.weights_timeout_s = weights_timeout_s
         self.ledger_path = ledger_path
@@ -160,9 +161,12 @@ class SearcherActor:
             weights = ray.get(ref, timeout=self.weights_timeout_s)
             self.searcher.set_weights(weights, version, step)
             self._counters["sync_seconds"] += time.time() - start
+            self._counters["weight_updates"] += 1
 
     def _whereabouts(self) -> dict:
-        return {"pid": os.getpid(), "node": self.node, "nice": self.niceness}
+        engine_start = getattr(self.searcher.engine, "start_seconds", None)
+        return {"pid": os.getpid(), "node": self.node, "nice": self.niceness,
+                "engine_start_seconds": engine_start}  # fmt: skip
 
     def _loop(self, prompts_per_batch: int, max_unsent: int) -> None:
         normal_priority()  # this thread, and the torch threads it starts

@@ -43,7 +43,8 @@ def is_loopback(address: str) -> bool:
 
 @contextmanager
 def ray_session(config: RunConfig, log=print) -> Iterator[None]:
-    """Ray for the duration of a run: started (or joined) on entry, shut down on exit."""
+    """Ray for the duration of a run: started (or joined) on entry, shut down on exit; inside
+    another `ray_session`, that one's."""
     address = cluster_address(config)
     # Set before Ray is imported, which reads some of them once.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -60,6 +61,10 @@ def ray_session(config: RunConfig, log=print) -> Iterator[None]:
         os.environ["RAY_AUTH_MODE"] = "token"
     import ray  # only a run with searcher processes needs Ray, and only after the lines above
 
+    if ray.is_initialized():  # started for this run's trainer ranks already, or by the caller
+        yield
+        return
+
     if address is None or is_loopback(address):
         # Ray reads that variable once, when it is first imported: a script that imported Ray
         # before calling us would otherwise get servers on its external interface.
@@ -73,8 +78,9 @@ def ray_session(config: RunConfig, log=print) -> Iterator[None]:
         "configure_logging": True,
     }
     if address is None:
-        searchers = config.searchers
-        wanted = math.ceil(searchers.count * searchers.num_cpus)
+        searchers, trainer = config.searchers, config.trainer
+        ranks = trainer.world_size if trainer.world_size > 1 else 0
+        wanted = math.ceil(searchers.count * searchers.num_cpus + ranks * trainer.num_cpus)
         options["num_cpus"] = config.ray.num_cpus or max(os.cpu_count() or 1, wanted)
         options["address"] = "local"
     else:

@@ -245,7 +245,7 @@ class RaySearchers(AsyncSearchers):
         """Rates since this searcher process started, and its weight-version lag."""
         slot = self.slots[i]
         for key in ("num_samples", "tokens", "gen_seconds", "idle_seconds", "truncated", "dropped",
-                    "reward_dropped"):  # fmt: skip
+                    "reward_dropped", "sync_seconds", "weight_updates"):  # fmt: skip
             slot.totals[key] = slot.totals.get(key, 0.0) + result.get(key, 0.0)
         elapsed = max(time.time() - slot.ready_at, 1e-9)
         return {
@@ -253,6 +253,9 @@ class RaySearchers(AsyncSearchers):
             f"searcher{i}/tokens_per_s": slot.totals["tokens"] / elapsed,
             f"searcher{i}/busy_frac": slot.totals["gen_seconds"] / elapsed,
             f"searcher{i}/version_lag": trainer_version - result["version"],
+            # Fetching a version's weights and loading them into the engine, per version.
+            f"searcher{i}/weight_sync_s": (slot.totals["sync_seconds"]
+                                           / max(slot.totals["weight_updates"], 1)),
         }
 
     # -------------------------------------------------------------------------- failures
@@ -296,7 +299,8 @@ class RaySearchers(AsyncSearchers):
             slot.ready, slot.ready_at, slot.totals = True, time.time(), {}
             slot.node = report["node"]
             self.log_event("searcher_ready", searcher=i, pid=report["pid"], node=report["node"],
-                           nice=report["nice"], incarnation=slot.incarnation)  # fmt: skip
+                           nice=report["nice"], incarnation=slot.incarnation,
+                           engine_start_seconds=report["engine_start_seconds"])  # fmt: skip
             if report["nice"] > 0:
                 self.log_event(
                     "searcher_low_priority", searcher=i, nice=report["nice"],

