@@ -41,9 +41,10 @@ def make_batch(step: int, num_groups: int = 5, group_size: int = 3) -> list[list
             response = rng.integers(3, VOCAB, size=int(rng.integers(1, 6))).tolist()
             logp = float(-rng.uniform(5, 15))
             behaviour = logp + float(rng.normal(0, 0.1))
+            per_token = [behaviour / len(response)] * len(response)
             group.append(Sample(prompt_id, prompt, response, reward=float(rng.random()),
                                 ref_logp=logp, behaviour_logp=behaviour, version=0,
-                                behaviour_token_logps=[behaviour / len(response)] * len(response)))  # fmt: skip
+                                behaviour_token_logps=per_token))  # fmt: skip
         groups.append(group)
     return groups
 
