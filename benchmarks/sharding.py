@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from benchmarks.memory import create_model, fake_groups, peak_rss_mib
 from tba.policy.model import get_weights, load_policy
 from tba.policy.tokenizer import load_tokenizer
-from tba.runtime.fsdp import ShardedTrainer, split_batch
+from tba.runtime.fsdp import ShardedTrainer, held_bytes, split_batch
 from tba.trainer import Trainer
 
 SIZES = {  # name: (width, layers)
@@ -43,18 +43,6 @@ MIB = 2**20
 def settings(tokenizer) -> dict:
     return dict(pad_id=tokenizer.pad_token_id, temperature=1.0, learning_rate=1e-5,
                 max_grad_norm=1.0)  # fmt: skip
-
-
-def held_bytes(trainer: Trainer) -> dict[str, int]:
-    """What the one-process trainer holds, counted as `ShardedTrainer.shard_bytes` counts."""
-    params = list(trainer.model.parameters())
-    return {
-        "parameters": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params
-                         if p.grad is not None),
-        "optimizer": sum(v.numel() * v.element_size() for state in trainer.optimizer.state.values()
-                         for v in state.values() if torch.is_tensor(v)),
-    }  # fmt: skip
 
 
 def timed_steps(step, steps: int) -> float:

@@ -446,11 +446,12 @@ class RayConfig(Section):
     )
     sync_timeout_s: float = Field(
         120.0, gt=0, description="a searcher that does not answer a weight sync or a "
-        "collection within this many seconds fails the run",
+        "collection, or a trainer rank a step or a publish, within this many seconds fails "
+        "the run",
     )
     start_timeout_s: float = Field(
-        600.0, gt=0, description="a searcher process that is not up (its model loaded) within "
-        "this many seconds fails the run",
+        600.0, gt=0, description="a searcher process or trainer rank that is not up (its "
+        "model loaded) within this many seconds fails the run",
     )
 
 

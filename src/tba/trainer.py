@@ -249,7 +249,7 @@ class Trainer(WeightVersions):
 
     # One process holds the whole model: nothing to gather or add up (`tba.runtime.fsdp` does).
     def _before_micro_batches(self) -> None:
-        pass
+        """What a step needs before its first micro-batch: nothing here."""
 
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
         return sums

@@ -74,6 +74,23 @@ def split_batch(
     return shares, max(math.ceil(len(share) / (chunk or len(share))) for share in shares)
 
 
+def held_bytes(trainer: Trainer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state a trainer holds in this process: its
+    shards when sharded, everything otherwise."""
+
+    def local(tensor: torch.Tensor) -> int:
+        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return tensor.numel() * tensor.element_size()
+
+    params = list(trainer.model.parameters())
+    return {
+        "parameters": sum(local(p) for p in params),
+        "gradients": sum(local(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(local(value) for state in trainer.optimizer.state.values()
+                         for value in state.values() if torch.is_tensor(value)),
+    }  # fmt: skip
+
+
 class ReplicatedLogZ(LearnedLogZ):
     """The learned log Z head, one copy per rank: its first bias is the mean over every rank's
     first micro-batch."""
@@ -119,18 +136,7 @@ class ShardedTrainer(Trainer):
 
     def shard_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients and optimizer state."""
-
-        def local(tensor: torch.Tensor) -> int:
-            tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            return tensor.numel() * tensor.element_size()
-
-        params = list(self.model.parameters())
-        return {
-            "parameters": sum(local(p) for p in params),
-            "gradients": sum(local(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(local(value) for state in self.optimizer.state.values()
-                             for value in state.values() if torch.is_tensor(value)),
-        }  # fmt: skip
+        return held_bytes(self)
 
     # ----------------------------------------------------------------------------- checkpoints
 
