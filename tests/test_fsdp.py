@@ -95,6 +95,9 @@ def rank_main(rank: int, world: int, work: str, case: str, plan: list) -> None:
             trainer.load_shards(directory, rest)
     if rank == 0:
         torch.save(out, Path(work) / f"out-{world}.pt")
+    # A rank that tears its group down while a peer is still at work can abort at exit (gloo's
+    # threads): every rank leaves together.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -101,10 +101,6 @@ class TrainerRank:
     def shard_bytes(self) -> dict[str, int]:
         return self._trainer.shard_bytes()
 
-    def stop(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
     @property
     def _trainer(self) -> ShardedTrainer:
         if self.trainer is None:
