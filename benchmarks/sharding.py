@@ -89,7 +89,7 @@ def sharded_rank(rank: int, world: int, model_dir: str, args: argparse.Namespace
     trainer.weights()
     dist.barrier()
     publish_s = time.perf_counter() - start
-    result = {"held": trainer.shard_bytes(), "peak_mib": peak_rss_mib(), "step_s": step_s,
+    result = {"held": held_bytes(trainer), "peak_mib": peak_rss_mib(), "step_s": step_s,
               "publish_s": publish_s}  # fmt: skip
     Path(f"{out}.{rank}").write_text(json.dumps(result))
     dist.destroy_process_group()

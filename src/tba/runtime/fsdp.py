@@ -134,10 +134,6 @@ class ShardedTrainer(Trainer):
         state = get_model_state_dict(self.model, options=options)
         return as_numpy({k: v.to(self.publish_dtype) for k, v in state.items()}) if state else {}
 
-    def shard_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds of parameters, gradients and optimizer state."""
-        return held_bytes(self)
-
     # ----------------------------------------------------------------------------- checkpoints
 
     def save_shards(self, directory: str) -> dict[str, Any]:

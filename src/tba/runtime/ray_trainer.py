@@ -98,9 +98,6 @@ class TrainerRank:
     def load(self, directory: str, state: dict[str, Any]) -> None:
         self._trainer.load_shards(directory, state)
 
-    def shard_bytes(self) -> dict[str, int]:
-        return self._trainer.shard_bytes()
-
     @property
     def _trainer(self) -> ShardedTrainer:
         if self.trainer is None:
@@ -193,9 +190,6 @@ class RankedTrainer(WeightVersions):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._call("load", state["shards_dir"], state["shards"])
         self.load_versions_state(state)
-
-    def shard_bytes(self) -> list[dict[str, int]]:
-        return self._call("shard_bytes")
 
     def close(self) -> None:
         """Stop every rank's process, then free their placement."""
