@@ -7,6 +7,7 @@ continue exactly on the same number of ranks and closely on another."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch.multiprocessing as mp
 
 from tba.core import Sample
 from tba.policy.model import build_tiny_llama, get_weights
-from tba.runtime.fsdp import ShardedTrainer, split_batch
+from tba.runtime.fsdp import ShardedTrainer, held_bytes, split_batch
 from tba.trainer import Trainer
 
 STEPS = 5
@@ -86,7 +87,7 @@ def rank_main(rank: int, world: int, work: str, case: str, plan: list) -> None:
         if action == "train":
             stats = train_steps(trainer, range(first, last), rank, world)
             out.append({"stats": stats, "weights": trainer.weights(),
-                        "bytes": trainer.shard_bytes()})  # fmt: skip
+                        "bytes": held_bytes(trainer)})  # fmt: skip
         elif action == "save":
             rest = trainer.save_shards(directory)
             torch.save(rest, Path(directory) / f"rest-{rank}.pt")
@@ -95,10 +96,12 @@ def rank_main(rank: int, world: int, work: str, case: str, plan: list) -> None:
             trainer.load_shards(directory, rest)
     if rank == 0:
         torch.save(out, Path(work) / f"out-{world}.pt")
-    # A rank that tears its group down while a peer is still at work can abort at exit (gloo's
-    # threads): every rank leaves together.
+    # Every rank leaves together, and skips the interpreter's teardown: gloo's threads can abort
+    # a process there ("terminate called without an active exception"), after its work is done
+    # and its results are written.
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 def run_ranks(world: int, work: Path, case: str, plan: list) -> list[dict]:
