@@ -12,7 +12,7 @@ and against fresh samples consumed.
 Suites (`--suite`):
     main      TBA (the default run), TB synchronous, Dr. GRPO and RLOO synchronous, TRL
     stress    every objective asynchronous with k = 10 syncs between weight publishes
-    k         TB with and without its trust region at k = 1 and k = 2
+    k         the same five objectives at k = 1 and k = 2
     m         TB at k = 10 with m = 0.5, 0.95 and 1 (the share of groups from fresh samples)
     K         TB with K = 8, 16 and 32 responses per prompt at B * K = 128 samples per step
     trl       TRL's GRPOTrainer alone (use --minutes 30 to see whether it reaches the target)
@@ -62,9 +62,25 @@ def trl_method(learning_rate: float) -> Method:
     return Method(f"TRL GRPOTrainer, lr {learning_rate:g}", runner=run)
 
 
+OBJECTIVES = {  # name: (label, overrides)
+    "tb": ("TB + trust region", []),
+    "tb-plain": ("TB plain (paper)", PLAIN_TB),
+    "proximal_rloo": ("Proximal RLOO", ["train.loss=proximal_rloo"]),
+    "dr_grpo": ("Dr. GRPO", ["train.loss=dr_grpo"]),
+    "rloo": ("RLOO", ["train.loss=rloo"]),
+}
+
+
+def objectives_at(k: int) -> dict[str, Method]:
+    """The five objectives, asynchronous, with weights published every k optimizer steps."""
+    return {
+        f"{name}-k{k}": Method(f"{label}, k = {k}", [*ASYNC, f"train.sync_every={k}", *extra])
+        for name, (label, extra) in OBJECTIVES.items()
+    }
+
+
 def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
     k10 = [*ASYNC, "train.sync_every=10"]
-    prox = [*k10, "train.loss=proximal_rloo"]
     return {
         "main": {
             "tba": Method("TBA (tba train defaults)"),
@@ -73,19 +89,8 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             "rloo-sync": Method("RLOO sync", [*SYNC, "train.loss=rloo"]),
             "trl": trl_method(args.trl_lr),
         },
-        "stress": {
-            "tb-k10": Method("TB + trust region, k = 10", k10),
-            "tb-plain-k10": Method("TB plain (paper), k = 10", [*k10, *PLAIN_TB]),
-            "proximal_rloo-k10": Method("Proximal RLOO, k = 10", prox),
-            "dr_grpo-k10": Method("Dr. GRPO, k = 10", [*k10, "train.loss=dr_grpo"]),
-            "rloo-k10": Method("RLOO, k = 10", [*k10, "train.loss=rloo"]),
-        },
-        "k": {
-            f"tb{variant}-k{k}": Method(f"TB {label}, k = {k}", [*ASYNC, f"train.sync_every={k}",
-                                                                 *extra])
-            for k in (1, 2)
-            for variant, label, extra in (("", "+ trust region", []), ("-plain", "plain", PLAIN_TB))
-        },  # fmt: skip
+        "stress": objectives_at(10),
+        "k": {**objectives_at(1), **objectives_at(2)},
         "m": {
             f"tb-k10-m{m}": Method(f"TB, k = 10, m = {m}", [*k10, f"buffer.recent_prob={m}"])
             for m in (0.5, 0.95, 1.0)
