@@ -246,7 +246,9 @@ def print_table(
     """The standard table: time to target (mean curve, then each seed), the metric at the end
     (mean ± std over seeds), gain over the base, the lowest point along the way, throughput."""
     any_run = next(iter(aggregates.values()))
-    print(f"\n{len(any_run.runs)} seed(s) per method, {args.minutes:g} min per run, "
+    counts = sorted({len(agg.runs) for agg in aggregates.values()})
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    print(f"\n{seeds} seed(s) per method, {args.minutes:g} min per run, "
           f"{args.num_eval} held-out items, {metric} target {args.target:.3f}, base "
           f"{any_run.base:.3f}")  # fmt: skip
     print(f"| method | minutes to target (mean curve; per seed) | {metric} at end | gain | "
@@ -255,7 +257,8 @@ def print_table(
     for agg in aggregates.values():
         mean, std = agg.final()
         print(
-            f"| {agg.label} | {minutes_text(agg.minutes_to(args.target), args.minutes)}; "
+            f"| {agg.label}{'' if len(counts) == 1 else f' ({len(agg.runs)} seeds)'} | "
+            f"{minutes_text(agg.minutes_to(args.target), args.minutes)}; "
             f"{seeds_text(agg.seed_minutes_to(args.target), args.minutes)} | "
             f"{mean:.1%} ± {std:.1%} | {mean - agg.base:+.1%} | {agg.lowest():+.1%} | "
             f"{agg.mean_of('samples_per_s'):.0f} | {agg.mean_of('steps'):.0f} | "
