@@ -52,7 +52,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, minutes: float, out: s
     parser.add_argument("--target", type=float, default=0.55, help="held-out pass@1 target")
     parser.add_argument("--snapshot-minutes", type=float, default=0.5)
     parser.add_argument("--num-eval", type=int, default=1024, help="held-out problems")
-    parser.add_argument("--only", help="comma-separated method names (default: all)")
+    parser.add_argument(
+        "--only", help="comma-separated method names, to run or, with --report, to report "
+        "(default: all)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(out))
     parser.add_argument(
         "--report", type=Path, nargs="+", metavar="DIR",

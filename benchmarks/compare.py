@@ -21,6 +21,7 @@ Suites (`--suite`):
     python -m benchmarks.compare --suite stress                 # 5 methods x 3 seeds x 5 min
     python -m benchmarks.compare --suite k --seeds 1 --minutes 2
     python -m benchmarks.compare --report runs/compare_stress runs/compare_k --out runs/all
+    python -m benchmarks.compare --report runs/compare_k --only tb-k2,rloo-k2 --out runs/k2
 
 A restarted invocation with the same --out skips the runs it already finished. TRL needs the
 benchmark extra (`pip install -e ".[bench]"`).
@@ -108,6 +109,16 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
     }
 
 
+def pick(methods: dict, only: str | None, parser: argparse.ArgumentParser) -> dict:
+    """The methods named by --only (comma-separated), in that order; all when it is not given."""
+    if not only:
+        return methods
+    names = only.split(",")
+    if unknown := [name for name in names if name not in methods]:
+        parser.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(methods)}")
+    return {name: methods[name] for name in names}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, minutes=5.0, out="runs/compare")
@@ -119,11 +130,9 @@ def main() -> None:
     torch.set_num_threads(2)
     quiet_libraries()
     if args.report:
-        finish(merge_results(args.report), args, "comparison")
+        finish(pick(merge_results(args.report), args.only, parser), args, "comparison")
         return
-    methods = suites(args)[args.suite]
-    if args.only:
-        methods = {name: methods[name] for name in args.only.split(",")}
+    methods = pick(suites(args)[args.suite], args.only, parser)
     results = run_suite(methods, args)
     finish({name: results[name] for name in methods}, args, f"suite: {args.suite}")
 
