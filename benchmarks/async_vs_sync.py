@@ -22,7 +22,14 @@ import argparse
 
 import torch
 
-from benchmarks.common import Method, add_common_arguments, finish, merge_results, run_suite
+from benchmarks.common import (
+    Method,
+    add_common_arguments,
+    finish,
+    merge_results,
+    pick_methods,
+    run_suite,
+)
 from tba.quiet import quiet_libraries
 
 MODES = {
@@ -42,10 +49,9 @@ def main() -> None:
     torch.set_num_threads(2)
     quiet_libraries()
     if args.report:
-        results = merge_results(args.report)
+        results = pick_methods(merge_results(args.report), args.only, parser)
     else:
-        methods = MODES if not args.only else {m: MODES[m] for m in args.only.split(",")}
-        results = run_suite(methods, args)
+        results = run_suite(pick_methods(MODES, args.only, parser), args)
     aggregates = finish(results, args, "asynchronous against synchronous TB")
 
     print("\n| mode | trainer waiting | groups trained twice back to back | fresh groups |")

@@ -65,6 +65,16 @@ def add_common_arguments(parser: argparse.ArgumentParser, minutes: float, out: s
     parser.add_argument("overrides", nargs="*", help="key=value for every tba run")
 
 
+def pick_methods(methods: dict, only: str | None, parser: argparse.ArgumentParser) -> dict:
+    """The methods named by --only (comma-separated), in that order; all when it is not given."""
+    if not only:
+        return methods
+    names = only.split(",")
+    if unknown := [name for name in names if name not in methods]:
+        parser.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(methods)}")
+    return {name: methods[name] for name in names}
+
+
 def base_policy(overrides: list[str] = ()) -> Path:
     """The built-in base policy of the task these overrides select, built with seed 0 (once,
     cached): every run of a benchmark starts from it, whatever its own seed."""

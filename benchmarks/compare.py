@@ -40,6 +40,7 @@ from benchmarks.common import (
     add_common_arguments,
     finish,
     merge_results,
+    pick_methods,
     run_logged,
     run_suite,
 )
@@ -109,16 +110,6 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
     }
 
 
-def pick(methods: dict, only: str | None, parser: argparse.ArgumentParser) -> dict:
-    """The methods named by --only (comma-separated), in that order; all when it is not given."""
-    if not only:
-        return methods
-    names = only.split(",")
-    if unknown := [name for name in names if name not in methods]:
-        parser.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(methods)}")
-    return {name: methods[name] for name in names}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, minutes=5.0, out="runs/compare")
@@ -130,9 +121,9 @@ def main() -> None:
     torch.set_num_threads(2)
     quiet_libraries()
     if args.report:
-        finish(pick(merge_results(args.report), args.only, parser), args, "comparison")
+        finish(pick_methods(merge_results(args.report), args.only, parser), args, "comparison")
         return
-    methods = pick(suites(args)[args.suite], args.only, parser)
+    methods = pick_methods(suites(args)[args.suite], args.only, parser)
     results = run_suite(methods, args)
     finish({name: results[name] for name in methods}, args, f"suite: {args.suite}")
 

@@ -32,7 +32,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import Method, add_common_arguments, finish, merge_results, run_suite
+from benchmarks.common import (
+    Method,
+    add_common_arguments,
+    finish,
+    merge_results,
+    pick_methods,
+    run_suite,
+)
 from tba.quiet import quiet_libraries
 from tba.tasks.redteam.task import SUCCESS_THRESHOLD
 
@@ -132,12 +139,10 @@ def main() -> None:
     torch.set_num_threads(2)
     quiet_libraries()
     if args.report:
-        results = merge_results(args.report)
+        results = pick_methods(merge_results(args.report), args.only, parser)
         add_found_in_training(results, args.report)
     else:
-        methods = suites(args)[args.suite]
-        if args.only:
-            methods = {name: methods[name] for name in args.only.split(",")}
+        methods = pick_methods(suites(args)[args.suite], args.only, parser)
         results = {name: entry for name, entry in run_suite(methods, args).items()
                    if name in methods}  # fmt: skip
         add_found_in_training(results, [args.out])

@@ -41,6 +41,7 @@ from benchmarks.common import (
     finish,
     merge_results,
     minutes_text,
+    pick_methods,
     run_suite,
 )
 from tba.config import load_config
@@ -107,10 +108,10 @@ def main() -> None:
     torch.set_num_threads(2)
     quiet_libraries()
     cores = os.cpu_count() or 1
-    methods = modes(cores)
-    if args.only:
-        methods = {name: methods[name] for name in args.only.split(",")}
-    results = merge_results(args.report) if args.report else run_suite(methods, args)
+    if args.report:
+        results = pick_methods(merge_results(args.report), args.only, parser)
+    else:
+        results = run_suite(pick_methods(modes(cores), args.only, parser), args)
     aggregates = finish(results, args, f"searcher scaling on {cores} cores")
 
     print(f"\nmeasured on {cores} cores")
