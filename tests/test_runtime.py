@@ -240,3 +240,21 @@ def test_searcher_loop_failure_is_reported_by_collect(worker):
         while time.time() < deadline:
             worker.collect()
             time.sleep(0.05)
+
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_before_the_step_has_data_gives_no_step(mode):
+    """A SIGTERM between two steps: the next step has no samples and is not taken (in the
+    synchronous mode nothing of the new weights; in the asynchronous one, an empty buffer)."""
+    overrides = ["searchers.count=0"] if mode == "sync" else []
+    feed, trainer, searchers, buffer = feed_for(f"train.mode={mode}", *overrides)
+    stop = threading.Event()
+    feed.start(stop)
+    assert feed.before_step(1, stop) is not None
+    trainer.step_count += 1
+    stop.set()
+    if mode == "async":
+        searchers.collect = lambda version: ([], {})
+        buffer.evict_older_than(trainer.version + 1)
+    assert feed.before_step(2, stop) is None

@@ -351,9 +351,10 @@ class TrainLoop:
         tc, trainer = self.config.train, self.trainer
         step_start = time.time()
         elapsed = step_start - self.start
-        record: dict = {"step": step, **self.feed.before_step(step, stop)}
-        if len(self.buffer) == 0:
+        arrived = self.feed.before_step(step, stop)
+        if arrived is None:
             return None
+        record: dict = {"step": step, **arrived}
         batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.random.sampler)
         made_of = self.tally.batch(batch, trainer)  # before the step moves the trainer's clock
         beta = self.beta_at(max((step - 1) / self.max_steps, elapsed / self.max_seconds))

@@ -95,8 +95,9 @@ class Feed(ABC):
         return 0.0
 
     @abstractmethod
-    def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
-        """Bring new samples in for this step; metrics of what it took."""
+    def before_step(self, step: int, stop: threading.Event) -> dict[str, float] | None:
+        """Bring new samples in for this step; metrics of what it took, or None when `stop`
+        came before the step had anything to train on."""
 
     def _sync_point(self, step: int) -> bool:
         return (step - 1) % self.config.train.sync_every == 0
@@ -153,7 +154,7 @@ class SyncFeed(Feed):
     weights. The searchers stop the run after `searchers.max_reward_failures` such generations
     in a row."""
 
-    def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
+    def before_step(self, step: int, stop: threading.Event) -> dict[str, float] | None:
         start = time.time()
         if self._sync_point(step) or self.sync_next:
             self._sync_weights()
@@ -161,7 +162,9 @@ class SyncFeed(Feed):
         per_step = self.config.searchers.prompts_per_batch or self.config.train.num_prompts
         merged: list[Sample] = []
         generations = 0
-        while not merged and not stop.is_set():
+        while not merged:
+            if stop.is_set():  # (a SIGTERM between two steps): no samples of these weights
+                return None
             samples, stats = self.searchers.generate(per_step)
             merged = self._merge(samples, stats)
             generations += 1
@@ -210,7 +213,7 @@ class AsyncFeed(Feed):
             self.log_event("trainer_threads", threads=threads, searcher_cpus_here=beside)
         return waited
 
-    def before_step(self, step: int, stop: threading.Event) -> dict[str, float]:
+    def before_step(self, step: int, stop: threading.Event) -> dict[str, float] | None:
         tc = self.config.train
         start = time.time()
         if self.sync_next or (step > 1 and self._sync_point(step)):
@@ -219,6 +222,8 @@ class AsyncFeed(Feed):
         stats, merged = self._collect()
         # Only when a staleness bound emptied the buffer.
         waited, more = self._wait(lambda: len(self.buffer) > 0, stop)
+        if len(self.buffer) == 0:  # stopped while waiting
+            return None
         if tc.fresh_wait_s > 0:
             needed = math.ceil(self.buffer.recent_prob * tc.num_prompts)
 
