@@ -1,6 +1,6 @@
 """End to end on Ray, each run in its own `tba train` process (as a user runs it): the asynchronous
-mode learns with two searchers, survives a searcher killed with SIGKILL, stops cleanly on Ctrl-C,
-and leaves no process behind in any of these cases."""
+mode learns with two searchers, goes on past a searcher killed with SIGKILL, stops cleanly on
+Ctrl-C, and leaves no process behind in any of these cases."""
 
 from __future__ import annotations
 
@@ -126,34 +126,36 @@ def test_async_run_with_two_searchers_learns(tmp_path):
     assert 0 <= summary["trainer_wait_frac"] < 0.5
 
 
-def test_killed_searcher_is_restarted_and_the_run_completes(tmp_path):
+def test_killed_searcher_is_restarted_and_the_run_goes_on(tmp_path):
     process, run_dir = start_run(
-        # Long enough for the replacement to load and report ready on a busy machine.
         tmp_path, "train.mode=async", "searchers.count=2", "train.max_steps=100000",
-        "train.max_minutes=0.75",
+        "train.max_minutes=10",
     )  # fmt: skip
 
-    def second_searcher() -> list[dict]:
-        return [e for e in events(run_dir) if e["event"] == "searcher_ready" and e["searcher"]]
+    def ready(incarnation: int) -> list[dict]:
+        return [e for e in events(run_dir) if e["event"] == "searcher_ready"
+                and e["searcher"] == 1 and e.get("incarnation", 0) == incarnation]  # fmt: skip
 
-    wait_for(lambda: (second_searcher() and len(steps(run_dir)) >= 3) or process.poll() is not None)
+    wait_for(lambda: (ready(0) and len(steps(run_dir)) >= 3) or process.poll() is not None)
     assert process.poll() is None, finish(process)
-    (victim,) = second_searcher()
+    (victim,) = ready(0)
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at_step = len(steps(run_dir))
+    # Stopped (as `timeout` would) once the replacement is up and the trainer went on: on a busy
+    # machine that takes what it takes, and a fixed run length would either wait or cut it short.
+    wait_for(lambda: (ready(1) and len(steps(run_dir)) > killed_at_step + 5)
+             or process.poll() is not None)  # fmt: skip
+    os.kill(process.pid, signal.SIGTERM)
     output = finish(process)
-    assert process.returncode == 0, output
+    assert process.returncode == 143, output
     assert_no_process_left(process.pid)
 
     log = events(run_dir)
     restarted = [e for e in log if e["event"] == "searcher_restarted"]
     assert [e["searcher"] for e in restarted] == [1]
-    back = [e for e in log if e["event"] == "searcher_ready" and e.get("incarnation") == 1]
-    assert back and back[0]["pid"] != victim["pid"]
+    assert ready(1)[0]["pid"] != victim["pid"]
     assert "searcher_restarted" in output  # said on the console too
-    records = steps(run_dir)
-    assert len(records) > killed_at_step + 5  # the trainer went on
-    assert records[-1]["searcher_restarts"] == 1
+    assert steps(run_dir)[-1]["searcher_restarts"] == 1
     assert json.loads((run_dir / "eval.json").read_text())["searcher_restarts"] == 1
 
 
