@@ -17,11 +17,15 @@ Suites (`--suite`):
     K         TB with K = 8, 16 and 32 responses per prompt at B * K = 128 samples per step
     trl       TRL's GRPOTrainer alone (use --minutes 30 to see whether it reaches the target)
     engines   TBA with the searchers generating with the built-in engine and with vLLM
+    value     TBA against the value-based baselines: PPO (synchronous, and asynchronous at the
+              default k) and VinePPO (synchronous); also minutes and generated samples (VinePPO's
+              rollouts included) to 55% and 60%, and how many times TB's time each method takes
 
     python -m benchmarks.compare --suite stress                 # 5 methods x 3 seeds x 5 min
     python -m benchmarks.compare --suite k --seeds 1 --minutes 2
     python -m benchmarks.compare --report runs/compare_stress runs/compare_k --out runs/all
     python -m benchmarks.compare --report runs/compare_k --only tb-k2,rloo-k2 --out runs/k2
+    python -m benchmarks.compare --suite value --minutes 10 --out runs/compare_value
 
 A restarted invocation with the same --out skips the runs it already finished. TRL needs the
 benchmark extra (`pip install -e ".[bench]"`).
@@ -33,13 +37,16 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.common import (
+    Aggregate,
     Method,
     add_common_arguments,
     finish,
     merge_results,
+    minutes_text,
     pick_methods,
     run_logged,
     run_suite,
@@ -107,25 +114,64 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             "tba": Method("TBA, builtin engine"),
             "tba-vllm": Method("TBA, vLLM engine", ["searchers.engine=vllm"]),
         },
+        "value": {
+            "tba": Method("TBA (tba train defaults)"),
+            "ppo-sync": Method("PPO sync", [*SYNC, "train.loss=ppo"]),
+            "ppo-async": Method("PPO async, default k", [*ASYNC, "train.loss=ppo"]),
+            "vineppo-sync": Method("VinePPO sync", [*SYNC, "train.loss=vineppo"]),
+        },
     }
+
+
+VALUE_TARGETS = (0.55, 0.60)
+
+
+def print_times_to_targets(
+    aggregates: dict[str, Aggregate], budget: float, reference: str = "tba",
+    targets: tuple[float, ...] = VALUE_TARGETS,
+) -> None:  # fmt: skip
+    """Per method and target: minutes and generated samples to the target (mean curve), and
+    that time over the reference method's (`reference`: TB; 50 means TB got there 50 times
+    sooner)."""
+    if reference not in aggregates:
+        return
+    base = aggregates[reference]
+    header = " | ".join(f"minutes to {t:.0%} | samples to {t:.0%} | x TB's time" for t in targets)
+    print(f"\n| method | {header} |")
+    print("|---|" + "---|---|---|" * len(targets))
+    for agg in aggregates.values():
+        cells = []
+        for target in targets:
+            minutes, tb_minutes = agg.minutes_to(target), base.minutes_to(target)
+            samples = np.interp(minutes, agg.grid, agg.samples) if minutes is not None else None
+            ratio = (f"{minutes / tb_minutes:.1f}" if minutes is not None and tb_minutes
+                     else "n/a")  # fmt: skip
+            cells.append(f"{minutes_text(minutes, budget)} | "
+                         f"{f'{samples:,.0f}' if samples is not None else 'not reached'} | "
+                         f"{ratio}")  # fmt: skip
+        print(f"| {agg.label} | {' | '.join(cells)} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, minutes=5.0, out="runs/compare")
     parser.add_argument(
-        "--suite", default="main", choices=["main", "stress", "k", "m", "K", "trl", "engines"]
-    )
+        "--suite", default="main",
+        choices=["main", "stress", "k", "m", "K", "trl", "engines", "value"],
+    )  # fmt: skip
     parser.add_argument("--trl-lr", type=float, default=5e-5, help="TRL's learning rate")
     args = parser.parse_args()
     torch.set_num_threads(2)
     quiet_libraries()
     if args.report:
-        finish(pick_methods(merge_results(args.report), args.only, parser), args, "comparison")
+        aggregates = finish(pick_methods(merge_results(args.report), args.only, parser), args,
+                            "comparison")  # fmt: skip
+        print_times_to_targets(aggregates, args.minutes)
         return
     methods = pick_methods(suites(args)[args.suite], args.only, parser)
     results = run_suite(methods, args)
-    finish({name: results[name] for name in methods}, args, f"suite: {args.suite}")
+    aggregates = finish({name: results[name] for name in methods}, args, f"suite: {args.suite}")
+    print_times_to_targets(aggregates, args.minutes)
 
 
 if __name__ == "__main__":

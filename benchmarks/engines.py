@@ -16,16 +16,29 @@ process's `ru_maxrss`, or on a GPU `torch.cuda.max_memory_allocated`):
 log-prob of every token vLLM sampled against vLLM's own sampling log-prob, at two temperatures,
 then again after new weights went into the running engine.
 
+`--decode` measures instead the built-in engine's generators in one process, each after a warm-up
+generation (which compiles, and records CUDA graphs), best of R: its loop (`policy.sampler=loop`),
+its static path eager (`static`) and compiled (`compiled`), Hugging Face's `generate` with its
+dynamic cache and with its static cache compiled, and the decode roofline: B x K rows divided by
+the time to read the weights once and each row's KV cache at its average length, at the measured
+copy bandwidth of the device (`--bandwidth-gbs` to give it). Models: the built-in policy and a
+random-weight model of Qwen2.5-0.5B's shape (896 wide, 24 layers, 14 heads, 2 KV heads, 151,936
+tokens, tied embeddings) on 72-token random prompts, B x K = 8 x 16, 256 new tokens.
+
     python -m benchmarks.engines                       # both engines (vLLM when installed)
     python -m benchmarks.engines --engines builtin --models builtin 10m
     python -m benchmarks.engines --models 110m --lora-rank 16   # a LoRA policy: merged into vLLM
     python -m benchmarks.engines --agreement
+    python -m benchmarks.engines --decode              # on a GPU: bf16
+    python -m benchmarks.engines --decode --small      # the tiny model: a try on a CPU
+    python -m benchmarks.engines --decode --methods loop static roofline   # nothing compiled
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -34,11 +47,16 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import CompileConfig, Qwen2Config, Qwen2ForCausalLM
 
 from tba.config import LoraConfig, load_config
+from tba.errors import first_line
+from tba.policy.batching import left_pad
 from tba.policy.engines import BuiltinEngine, VllmEngine, VllmSettings
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import build_tiny_llama, get_weights, load_policy, set_weights
+from tba.policy.sampling import LoopSampler, StaticSampler
 from tba.policy.tokenizer import build_char_tokenizer, load_tokenizer
 from tba.tasks import resolve_policy
 from tba.tasks.math import world
@@ -194,16 +212,47 @@ def vllm_installed() -> bool:
     return done.returncode == 0
 
 
+def apply_defaults(args: argparse.Namespace) -> None:
+    """The defaults of the chosen mode, for every option left unset."""
+    decode = args.decode or args.small
+    small = dict(models=["tiny"], num_prompts=4, group_size=4, max_new_tokens=16, repeats=1)
+    defaults = dict(
+        models=["builtin", "qwen0.5b"] if decode else list(MODELS),
+        dtype="bfloat16" if decode and args.device.startswith("cuda") else "float32",
+        num_prompts=8, group_size=16, max_new_tokens=256 if decode else 40, repeats=3,
+    )  # fmt: skip
+    for key, value in (defaults | small if args.small else defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.decode = decode
+    unknown = set(args.models) - set(DECODE_MODELS if decode else MODELS)
+    if unknown:
+        raise SystemExit(f"--models: {', '.join(sorted(unknown))} is not a model of this mode")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", nargs="+", default=["builtin", "vllm"])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS) + list(DECODE_MODELS),
+                        help="default: builtin 10m 110m; with --decode builtin qwen0.5b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--num-prompts", type=int, default=8, help="B")
-    parser.add_argument("--group-size", type=int, default=16, help="K")
-    parser.add_argument("--max-new-tokens", type=int, default=40, help="L")
-    parser.add_argument("--repeats", type=int, default=3, help="R timed generations")
+    parser.add_argument("--dtype", help="default: float32; with --decode bfloat16 on CUDA")
+    parser.add_argument("--num-prompts", type=int, help="B (default 8)")
+    parser.add_argument("--group-size", type=int, help="K (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, help="L (default 40; --decode: 256)")
+    parser.add_argument("--repeats", type=int, help="R timed generations (default 3)")
+    parser.add_argument("--decode", action="store_true",
+                        help="the built-in engine's generators against Hugging Face's and the "
+                        "decode roofline (one process)")
+    parser.add_argument("--methods", nargs="+", default=DECODE_METHODS, choices=DECODE_METHODS,
+                        help="--decode: the generators to measure")
+    parser.add_argument("--prompt-length", type=int, default=72,
+                        help="--decode: tokens per prompt of the random-weight models")
+    parser.add_argument("--bandwidth-gbs", type=float,
+                        help="--decode: the roofline's memory bandwidth (default: measured copy)")
+    parser.add_argument("--small", action="store_true",
+                        help="--decode on the tiny model, B=4 x K=4, 16 tokens, one repeat: "
+                        "seconds on a CPU (plus compilation)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="train LoRA adapters of this rank (0: every weight)")
@@ -214,6 +263,10 @@ def main() -> None:
     parser.add_argument("--measure", choices=["builtin", "vllm", "agreement"])
     parser.add_argument("--model-dir")
     args = parser.parse_args()
+    apply_defaults(args)
+    if args.decode:
+        print_decode(args)
+        return
     if args.measure:
         args.engine = args.measure
         print(json.dumps(measure_agreement(args) if args.measure == "agreement" else measure(args)))
@@ -244,6 +297,181 @@ def main() -> None:
                 print(f"| {name} | {engine} | {r['start_s']:.1f} s | {r['samples_per_s']:.0f} | "
                       f"{r['tokens_per_s']:.0f} | {r['tokens_per_sample']:.0f} | "
                       f"{r['update_s']:.2f} s | {r['peak_mib']:.0f} MiB |", flush=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- --decode
+
+# name: the Qwen2 config fields of a random-weight model (None: the built-in policy). qwen0.5b is
+# Qwen2.5-0.5B's public config; tiny is for trying the benchmark on a CPU in seconds.
+DECODE_MODELS = {
+    "builtin": None,
+    "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                     tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                     max_position_embeddings=32768),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=1024,
+                 tie_word_embeddings=True),
+}  # fmt: skip
+DECODE_METHODS = ["loop", "static", "compiled", "hf", "hf-static", "roofline"]
+DECODE_LABELS = {
+    "loop": "tba loop (`policy.sampler=loop`)",
+    "static": "tba static cache, eager (`static`)",
+    "compiled": "tba static cache, compiled (`compiled`)",
+    "hf": "HF generate, dynamic cache",
+    "hf-static": "HF generate, static cache + torch.compile",
+    "roofline": "decode roofline",
+}
+
+
+def decode_model(name: str, device: torch.device, dtype: str):
+    """(model, EOS id, pad id, vocabulary size of a random-weight model or None)."""
+    if DECODE_MODELS[name] is None:
+        model_dir = create_model("builtin", Path())
+        tokenizer = load_tokenizer(model_dir)
+        model = load_policy(model_dir, device, dtype=dtype)
+        return model, tokenizer.eos_token_id, tokenizer.pad_token_id, None
+    torch.manual_seed(0)
+    config = Qwen2Config(**DECODE_MODELS[name], eos_token_id=2, pad_token_id=0, bos_token_id=1)
+    model = Qwen2ForCausalLM(config).to(device=device, dtype=getattr(torch, dtype)).eval()
+    return model, 2, 0, config.vocab_size
+
+
+def decode_prompts(args: argparse.Namespace, vocab_size: int | None) -> list[list[int]]:
+    """B prompts x K samples: held-out math prompts (built-in policy) or random token ids of
+    `--prompt-length` tokens (random-weight models)."""
+    if vocab_size is None:
+        model_dir = create_model("builtin", Path())
+        return batch(model_dir, args.num_prompts, args.group_size)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab_size, (args.num_prompts, args.prompt_length),
+                            generator=generator).tolist()  # fmt: skip
+    return [prompt for prompt in prompts for _ in range(args.group_size)]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write), the decode step's limit."""
+    source = torch.empty(2**28 if device.type == "cuda" else 2**26, dtype=torch.uint8,
+                         device=device)  # fmt: skip
+    target = torch.empty_like(source)
+    best = math.inf
+    for _ in range(5):
+        synchronize(device)
+        begin = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - begin)
+    return 2 * source.numel() / best
+
+
+def roofline(model, prompts: list[list[int]], new_tokens: int, bandwidth: float) -> float:
+    """Tokens/s if every decode step only read the weights once and each row's KV cache at its
+    average length, at `bandwidth` bytes/s."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+                 * next(model.parameters()).element_size())  # fmt: skip
+    context = sum(len(p) for p in prompts) + len(prompts) * new_tokens / 2
+    return len(prompts) / ((weights + context * per_token) / bandwidth)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_generate(model, prompts, eos_id: int, pad_id: int, new_tokens: int, static: bool):
+    """Hugging Face's `generate`, sampling from the full softmax at temperature 1 as tba does
+    (no top-k or top-p); `static`: its static cache, compiled (on a CPU too)."""
+    device = next(model.parameters()).device
+    ids, mask, _ = left_pad(prompts, pad_id, device)
+    options = {}
+    if static:
+        compile_config = CompileConfig(fullgraph=True)
+        compile_config._compile_all_devices = True  # transformers compiles on CUDA only, else
+        options = dict(cache_implementation="static", compile_config=compile_config)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+        top_p=1.0, max_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+        **options,
+    )  # fmt: skip
+    generated = out[:, ids.size(1) :]
+    ended = (generated == eos_id).int().cumsum(-1)
+    return int(((ended == 0) | ((ended == 1) & (generated == eos_id))).sum())
+
+
+def decode_generator(method: str, model, eos_id: int, pad_id: int, args):
+    """A function that generates the batch and returns how many tokens it generated."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(0)
+    if method in ("hf", "hf-static"):
+        return lambda prompts: hf_generate(model, prompts, eos_id, pad_id, args.max_new_tokens,
+                                           static=method == "hf-static")  # fmt: skip
+    sampler = (LoopSampler(model) if method == "loop"
+               else StaticSampler(model, compile=method == "compiled"))  # fmt: skip
+
+    def run(prompts):
+        out = sampler.generate(prompts, eos_id=eos_id, pad_id=pad_id, generator=generator,
+                               max_new_tokens=args.max_new_tokens)  # fmt: skip
+        return sum(len(ids) for ids in out.response_ids)
+
+    return run
+
+
+def measure_decode(method: str, model, prompts, eos_id: int, pad_id: int, args) -> dict:
+    """Warm-up (the first generation: compiles, records CUDA graphs), then the best of R."""
+    device = next(model.parameters()).device
+    run = decode_generator(method, model, eos_id, pad_id, args)
+
+    def timed() -> tuple[float, int]:
+        synchronize(device)
+        begin = time.perf_counter()
+        with torch.no_grad():
+            tokens = run(prompts)
+        synchronize(device)
+        return time.perf_counter() - begin, tokens
+
+    warm_up, _ = timed()
+    seconds, tokens = min(timed() for _ in range(args.repeats))
+    return {"warm_up_s": warm_up, "tokens_per_s": tokens / seconds,
+            "tokens_per_sample": tokens / len(prompts)}  # fmt: skip
+
+
+def print_decode(args: argparse.Namespace) -> None:
+    """The generators side by side on each model, in this process."""
+    device = torch.device(args.device)
+    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}, {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {args.dtype}; B={args.num_prompts} prompts x "
+          f"K={args.group_size} samples, {args.max_new_tokens} new tokens, temperature 1; "
+          f"roofline at {bandwidth / 1e9:.0f} GB/s ({'given' if args.bandwidth_gbs else 'copy'})"
+          "\n")  # fmt: skip
+    print("| model | generator | warm-up | tokens/s | tokens/sample | vs the loop |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for model_name in args.models:
+        model, eos_id, pad_id, vocab_size = decode_model(model_name, device, args.dtype)
+        prompts = decode_prompts(args, vocab_size)
+        loop_rate = None
+        for method in args.methods:
+            label = DECODE_LABELS[method]
+            if method == "roofline":
+                rate = roofline(model, prompts, args.max_new_tokens, bandwidth)
+                ratio = f"{rate / loop_rate:.0f}x" if loop_rate else "-"
+                print(f"| {model_name} | {label} | - | {rate:,.0f} | - | {ratio} |", flush=True)
+                continue
+            try:
+                r = measure_decode(method, model, prompts, eos_id, pad_id, args)
+            except Exception as error:  # one failed generator does not end the table
+                print(f"| {model_name} | {label} | failed: {first_line(error)[:100]} ||||",
+                      flush=True)  # fmt: skip
+                continue
+            loop_rate = r["tokens_per_s"] if method == "loop" else loop_rate
+            ratio = f"{r['tokens_per_s'] / loop_rate:.2f}x" if loop_rate else "-"
+            print(f"| {model_name} | {label} | {r['warm_up_s']:.1f} s | {r['tokens_per_s']:,.0f} "
+                  f"| {r['tokens_per_sample']:.0f} | {ratio} |", flush=True)  # fmt: skip
+        del model
 
 
 def print_agreement(args: argparse.Namespace) -> None:

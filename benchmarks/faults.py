@@ -32,6 +32,8 @@ from tba.policy.tokenizer import build_char_tokenizer
 REWARDS = textwrap.dedent('''
     import math, time
 
+    import numpy, torch
+
     CALLS = []
 
     def works(completions, **kwargs):
@@ -62,6 +64,17 @@ REWARDS = textwrap.dedent('''
         CALLS.append(1)
         if len(CALLS) == 1:
             raise RuntimeError("cold start")
+        return [1.0] * len(completions)
+
+    def tensor(completions, **kwargs):
+        return torch.tensor([float(len(c) % 3) for c in completions])
+
+    def numpy_bools(completions, **kwargs):
+        return numpy.array([len(c) % 2 == 0 for c in completions])
+
+    def fails_at_the_end(completions, trainer_state, **kwargs):
+        if trainer_state.global_step >= 3:
+            raise KeyError("answer")
         return [1.0] * len(completions)
 ''')
 # Small and fast: two prompts of four responses a step, a policy of 30k weights.
@@ -94,8 +107,9 @@ class Workspace:
         self.rewards.write_text(REWARDS)
 
     def task(self, reward: str = "works", eval_func: str | None = None) -> list[str]:
+        rewards = ",".join(f"{self.rewards}:{name}" for name in reward.split(","))
         settings = [f"policy.model={self.policy}", "task.name=custom",
-                    f"task.train_path={self.data}", f"task.reward_funcs=[{self.rewards}:{reward}]"]
+                    f"task.train_path={self.data}", f"task.reward_funcs=[{rewards}]"]
         if eval_func:
             settings.append(f"task.eval_func={self.rewards}:{eval_func}")
         return settings
@@ -117,6 +131,11 @@ class Case:
     exit: int  # the status it must end with
     message: str  # what its message must hold
     survived: Callable[[Path], str] = field(default=lambda run: survivors(run))
+    # What "what survived" must name (default: after exit 0, 130 or 143, the run's results).
+    kept: tuple[str, ...] | None = None
+    # A bad-input case gives the same status and message in a process of its own as in the one
+    # that checks it: tests/test_faults_cli.py runs its `tba` commands in its own process.
+    in_process: bool = False
 
 
 def tba(args: list[str], timeout: float = 300, env: dict | None = None) -> tuple[int, str]:
@@ -137,6 +156,8 @@ def survivors(run: Path) -> str:
     """What a run directory holds that matters: checkpoints, the final policy, eval.json."""
     if not run.exists():
         return "no run directory"
+    if run.is_file():
+        return f"the file {run.name}, as it was" if run.read_text() == "notes\n" else "file changed"
     checkpoints = sorted(p.name for p in (run / "checkpoints").glob("step*"))
     kept = [f"checkpoints {', '.join(checkpoints)}" if checkpoints else "no checkpoint"]
     kept += [name for name in ("final", "eval.json") if (run / name).exists()]
@@ -144,7 +165,9 @@ def survivors(run: Path) -> str:
 
 
 def reward_case(reward: str) -> Callable[[Workspace, Path], tuple[int, str]]:
-    return lambda ws, run: tba(["train", *FAST, *ws.task(reward), f"output_dir={run}"])
+    """The reward in training only: held-out pass@1 is `works`' (a reward that fails in the
+    held-out evaluation too stops the run there, at its start: `eval_case`)."""
+    return lambda ws, run: tba(["train", *FAST, *ws.task(reward, "works"), f"output_dir={run}"])
 
 
 def eval_case(eval_func: str) -> Callable[[Workspace, Path], tuple[int, str]]:
@@ -231,6 +254,125 @@ def sigterm(ws: Workspace, run: Path) -> tuple[int, str]:
     return process.returncode, err
 
 
+def second_start(ws: Workspace, run: Path) -> tuple[int, str]:
+    """The same `tba train` again while the first runs (a command re-run from the shell's
+    history, a scheduler's retry); then the first is stopped and must have lost nothing."""
+    first = subprocess.Popen(
+        [sys.executable, "-m", "tba.cli", "train", *FAST, *ws.task(), f"output_dir={run}",
+         "train.max_steps=100000", "train.max_minutes=5"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not _stepped(run) and first.poll() is None:
+            time.sleep(0.2)
+        config = (run / "config.yaml").read_bytes()
+        metrics = (run / "metrics.jsonl").read_bytes()
+        code, err = tba(["train", *FAST, *ws.task(), f"output_dir={run}"])
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    kept = (run / "config.yaml").read_bytes() == config and (
+        run / "metrics.jsonl").read_bytes().startswith(metrics)  # fmt: skip
+    if first.returncode != 143 or not kept:
+        return 99, f"tba: error: the first run ended with {first.returncode}, files kept: {kept}"
+    return code, err
+
+
+def two_builds(ws: Workspace, run: Path) -> tuple[int, str]:
+    """Two `tba pretrain` at once into one empty cache (seeds started together on a new
+    machine): one builds, the other waits for it and uses it."""
+    args = [sys.executable, "-m", "tba.cli", "pretrain", "pretrain.num_examples=32",
+            "pretrain.steps=4", "pretrain.batch_size=8", f"pretrain.cache_dir={run}"]
+    processes = [subprocess.Popen(args, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [process.communicate(timeout=300)[1] for process in processes]
+    codes = [process.returncode for process in processes]
+    worst = max(range(2), key=lambda i: codes[i] != 0)
+    built = sum("(once) into" in err for err in errors)
+    waited = sum("waiting for process" in err for err in errors)
+    if built != 1:
+        return 99, f"tba: error: built {built} times, waited {waited} times"
+    return codes[worst], errors[worst]
+
+
+def cache_contents(cache: Path) -> str:
+    entries = sorted(path.name for path in cache.iterdir()) if cache.exists() else []
+    partial = [name for name in entries if name.endswith(".partial")]
+    models = [name for name in entries if not name.endswith((".partial", ".lock"))]
+    return f"cache {', '.join(models) or 'empty'} (built once); " + (
+        f"left over: {', '.join(partial)}" if partial else "no .partial left")  # fmt: skip
+
+
+def read_only_output_dir(ws: Workspace, run: Path) -> tuple[int, str]:
+    """output_dir in a read-only directory: a read-only tmpfs (as root, whom permissions do not
+    stop), else a directory without write permission."""
+    parent = ws.root / "read-only"
+    parent.mkdir(exist_ok=True)
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(parent)], capture_output=True
+    ).returncode == 0  # fmt: skip
+    if not mounted:
+        parent.chmod(0o555)
+    try:
+        return tba(["train", *FAST, *ws.task(), f"output_dir={parent / 'run'}"])
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(parent)], check=False)
+        parent.chmod(0o755)
+
+
+def output_dir_file(ws: Workspace, run: Path) -> tuple[int, str]:
+    run.write_text("notes\n")
+    return tba(["train", *FAST, *ws.task(), f"output_dir={run}"])
+
+
+def output_dir_under_a_file(ws: Workspace, run: Path) -> tuple[int, str]:
+    (ws.root / "notes").write_text("notes\n")
+    return tba(["train", *FAST, *ws.task(), f"output_dir={ws.root / 'notes' / 'run'}"])
+
+
+def resume_finished(ws: Workspace, run: Path) -> tuple[int, str]:
+    """`--resume` of a run that ended at its step limit, with that same limit."""
+    code, err = tba(["train", *FAST, *ws.task(), f"output_dir={run}"])
+    if code != 0:
+        return code, err
+    metrics = (run / "metrics.jsonl").read_bytes()
+    code, err = tba(["train", "--resume", str(run)])
+    if (run / "metrics.jsonl").read_bytes() != metrics:
+        return 99, "tba: error: metrics.jsonl changed"
+    return code, err
+
+
+def resume_changed_task(ws: Workspace, run: Path) -> tuple[int, str]:
+    """`--resume` with a task setting changed (task.num_train) and one that may change
+    (task.num_eval)."""
+    code, err = tba(["train", *FAST, *ws.task(), f"output_dir={run}"])
+    if code != 0:
+        return code, err
+    return tba(["train", "--resume", str(run), "train.max_steps=6", "task.num_train=8",
+                "task.num_eval=2"])  # fmt: skip
+
+
+def eval_without_final(ws: Workspace, run: Path) -> tuple[int, str]:
+    """`tba eval` of a run that failed at its final evaluation: checkpointed, no final/."""
+    tba(["train", *FAST, *ws.task("works", "fails_at_the_end"), f"output_dir={run}"])
+    return tba(["eval", str(run)])
+
+
+def with_data(text: str) -> Callable[[Workspace, Path], tuple[int, str]]:
+    def run(ws: Workspace, run_dir: Path) -> tuple[int, str]:
+        path = ws.root / "rows.jsonl"
+        path.write_text(text)
+        return tba(["train", *FAST, *ws.task(), f"task.train_path={path}",
+                    f"output_dir={run_dir}"])  # fmt: skip
+
+    return run
+
+
+def with_settings(*settings: str) -> Callable[[Workspace, Path], tuple[int, str]]:
+    return lambda ws, run: tba(["train", *FAST, *ws.task(), f"output_dir={run}", *settings])
+
+
 def _stepped(run: Path) -> bool:
     metrics = run / "metrics.jsonl"
     return metrics.exists() and '"loss"' in metrics.read_text()
@@ -253,9 +395,9 @@ CASES = [
     Case("reward fails once", "the first call raises, the rest work", reward_case("fails_first"),
          0, ""),
     Case("eval hangs", "task.eval_func never returns", eval_case("hangs"), 1,
-         "'hangs' failed on every held-out completion of its last 2 evaluations"),
+         "held-out evaluation: 'hangs' failed on all 4 completions: did not return within 2 s"),
     Case("eval raises", "task.eval_func raises", eval_case("raises"), 1,
-         "'raises' failed on every held-out completion of its last 2 evaluations"),
+         "held-out evaluation: 'raises' failed on all 4 completions: raised ValueError"),
     Case("yaml section twice", "a second `train:` section",
          with_yaml("train:\n  learning_rate: 1.0e-3\ntrain:\n  beta: 0.1\n"), 2,
          "'train' is given twice (first on line 1)"),
@@ -279,6 +421,59 @@ CASES = [
     Case("rerun after a failed start", "the same command after a broken model",
          after_a_failed_start, 0, ""),
     Case("SIGTERM", "SIGTERM during training", sigterm, 143, ""),
+    # Runs, paths and devices that cannot be used, and messages (2026-11-26).
+    Case("second start", "the same `tba train` while the first runs; then SIGTERM the first",
+         second_start, 2, "is in use by process", in_process=True),
+    Case("unknown device", "policy.device=gpu", with_settings("policy.device=gpu"), 2,
+         "policy.device: a device is auto (CUDA when present), cpu, cuda, cuda:N",
+         in_process=True),
+    Case("missing device", "policy.device=cuda:99, a GPU this machine does not have",
+         with_settings("policy.device=cuda:99"), 2, "policy.device=cuda:99: this machine has",
+         in_process=True),
+    Case("searcher device", "searchers.device=cuda with searcher processes given no GPU",
+         with_settings("train.mode=async", "searchers.count=1", "searchers.device=cuda"), 2,
+         "searchers.device=cuda needs searchers.num_gpus > 0", in_process=True),
+    Case("reward tensor", "the reward returns a torch tensor, another a numpy array of bools",
+         lambda ws, run: tba(["train", *FAST, *ws.task("tensor,numpy_bools"),
+                              f"output_dir={run}"]), 0, "", in_process=True),
+    Case("output_dir is a file", "output_dir names a regular file", output_dir_file, 2,
+         "is a file, not a directory: choose another output_dir", kept=("as it was",),
+         in_process=True),
+    Case("output_dir under a file", "output_dir inside a regular file", output_dir_under_a_file,
+         2, "notes is a file, not a directory", in_process=True),
+    Case("output_dir read-only", "output_dir in a read-only directory", read_only_output_dir, 2,
+         "cannot be created or written", in_process=True),
+    Case("two builds", "two `tba pretrain` into one empty cache at once", two_builds, 0, "",
+         survived=cache_contents, kept=("built once", "no .partial left")),
+    Case("reward_weights length", "task.reward_weights=[1,2] for one reward function",
+         with_settings("task.reward_weights=[1,2]"), 2,
+         "task.reward_weights has 2 weights for 1 reward functions", in_process=True),
+    Case("resume a finished run", "`--resume` of a run that reached train.max_steps",
+         resume_finished, 2, "already reached its limit, train.max_steps=3 (step 3)",
+         kept=("final", "eval.json"), in_process=True),
+    Case("eval fails at the end", "task.eval_func fails on every row of the final evaluation",
+         eval_case("fails_at_the_end"), 1,
+         "'fails_at_the_end' failed on all 4 completions: raised KeyError: 'answer'",
+         kept=("checkpoints step000003",), in_process=True),
+    Case("train=5", "a section given a value", with_settings("train=5"), 2,
+         "train is a section of settings, not a value (got 5)", in_process=True),
+    Case("empty section", "a YAML `train:` section with its keys commented out",
+         with_yaml("train:\n  # learning_rate: 1.0e-3\n"), 2, "train is empty",
+         in_process=True),
+    Case("resume with a task change", "`--resume` with task.num_train and task.num_eval changed",
+         resume_changed_task, 2, "was written with task.num_train=5000 (this run: 8); a",
+         kept=("final", "eval.json"), in_process=True),
+    Case("eval without final", "`tba eval` of a run that failed at its final evaluation",
+         eval_without_final, 2, "no final policy (final/ not found: the run has not ended); "
+         "finish it with `tba train --resume", kept=("checkpoints step000003",),
+         in_process=True),
+    Case("empty data file", "task.train_path an empty file", with_data(""), 2,
+         "rows.jsonl is empty: it has no rows", in_process=True),
+    Case("non-string prompt", "a row whose prompt is a number", with_data('{"prompt": 42}\n'),
+         2, "row 1's `prompt` is a int (42), not text or a conversation", in_process=True),
+    Case("config without extension", "`tba train myconfig`, a file that does not exist",
+         lambda ws, run: tba(["train", str(ws.root / "myconfig"), f"output_dir={run}"]), 2,
+         "config file not found", in_process=True),
 ]  # fmt: skip
 
 

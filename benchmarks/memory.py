@@ -1,18 +1,27 @@
-"""Peak memory of the trainer and of a searcher on a ~100M-parameter Llama, with and without LoRA.
+"""Memory of the trainer and the searchers: three suites, every measurement in a fresh process.
 
-The model (12 layers, width 768, 32k vocabulary, tied embeddings: 110M parameters) is created
-randomly in a temporary directory. Every measurement runs in a fresh Python process, so that
-`ru_maxrss` (the peak resident set size) is that of one role alone:
+- `--suite roles` (the default): peak RSS of each role on a ~100M-parameter Llama, with and
+  without LoRA. The model (12 layers, width 768, 32k vocabulary, tied embeddings: 110M
+  parameters) is created randomly in a temporary directory.
+  - trainer: load the policy, take `--steps` optimizer steps on B x K responses, publish weights;
+  - searcher: load the policy (and, without LoRA, the frozen reference copy), generate a batch
+    with reference log-probs, receive a weight sync (the payload a trainer publishes, read from a
+    file as it would arrive from Ray's object store), generate again.
+  "after imports" is the same process before the model is loaded (Python, torch, transformers).
+- `--suite logprobs`: one TB train step of a narrow model with Qwen2.5's 151,936-token vocabulary,
+  where the logits are most of the memory: the log-probs from the full (tokens x vocabulary)
+  logits against the chunked computation tba uses (`tba.policy.chunked_logprobs`). Peak memory of
+  the step and its time (median over `--steps`).
+- `--suite qwen`: one TB train step, then the searcher's reference scoring of the same batch,
+  on Qwen2.5 0.5B, 1.5B, 3B and 7B (public configurations, random weights, bf16), full fine-tuning
+  and LoRA, B x K = 8 x 16 responses of 256 tokens after 64-token prompts: peak device memory
+  (CUDA's allocator) of each, and which fit on the card. `--small` runs the same on a CPU with
+  narrow shapes, to try it.
 
-- trainer: load the policy, take `--steps` optimizer steps on B x K responses, publish weights;
-- searcher: load the policy (and, without LoRA, the frozen reference copy), generate a batch with
-  reference log-probs, receive a weight sync (the payload a trainer publishes, read from a file
-  as it would arrive from Ray's object store), generate again.
-
-"after imports" is the same process before the model is loaded (Python, torch, transformers).
-
-    python -m benchmarks.memory                          # fp32 and bf16, LoRA rank 16 or none
-    python -m benchmarks.memory --dtypes float32 --lora-rank 8
+    python -m benchmarks.memory                          # roles: fp32 and bf16, LoRA r=16 or none
+    python -m benchmarks.memory --suite logprobs         # CPU, ~1 min
+    python -m benchmarks.memory --suite qwen             # one GPU, ~5 min
+    python -m benchmarks.memory --suite qwen --small     # the same on a CPU, tiny shapes
 """
 
 from __future__ import annotations
@@ -21,20 +30,33 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from safetensors.numpy import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import tba.policy.logprobs as logprobs_module
+from benchmarks.shapes import parameters, qwen_config, random_qwen
 from tba.config import LoraConfig
 from tba.core import Sample
-from tba.policy.model import get_weights, load_policy
+from tba.peak_memory import PeakMemory
+from tba.policy.logprobs import sequence_logprobs
+from tba.policy.model import (
+    DTYPES,
+    add_lora,
+    enable_checkpointing,
+    get_weights,
+    load_policy,
+    resolve_device,
+)
 from tba.policy.tokenizer import build_char_tokenizer, load_tokenizer
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher, SearchSettings, evaluation_mode
 from tba.tasks.math.task import math_task
 from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
@@ -124,6 +146,147 @@ def write_payload(args: argparse.Namespace) -> dict:
     return {}
 
 
+# ------------------------------------------------------------ one train step at a real shape
+
+
+def random_groups(vocab: int, num_prompts: int, group_size: int, prompt_length: int,
+                  length: int, seed: int = 0) -> list[list[Sample]]:  # fmt: skip
+    """B groups of K responses of `length` random tokens after a random prompt each."""
+    rng = random.Random(seed)
+    groups = []
+    for prompt_id in range(num_prompts):
+        prompt = [rng.randrange(2, vocab) for _ in range(prompt_length)]
+        groups.append([
+            Sample(prompt_id, prompt, [rng.randrange(2, vocab) for _ in range(length)],
+                   reward=float(k % 2), ref_logp=-12.0 * length, behaviour_logp=-12.0 * length,
+                   version=0, behaviour_token_logps=[-12.0] * length)
+            for k in range(group_size)
+        ])  # fmt: skip
+    return groups
+
+
+ROOT = Path(__file__).resolve().parents[1]  # measurements run as `python -m benchmarks.memory`
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1)  # fmt: skip
+
+
+def measure_step(args: argparse.Namespace) -> dict:
+    """One configuration of the logprobs or qwen suite: train steps, then the reference scoring of
+    the same batch, each with its own peak."""
+    device = resolve_device(args.device)
+    config = qwen_config(args.shape, **(SMALL if args.small else {}))
+    model = random_qwen(config, device, DTYPES[args.dtype])
+    if args.rank:
+        model = add_lora(model, LoraConfig(r=args.rank))
+    if args.checkpointing:
+        enable_checkpointing(model)
+    if args.logprobs == "full":  # the plain computation everywhere, in place of the chunked one
+        logprobs_module.output_layer = lambda model: None
+    trainer = Trainer(model.train(), pad_id=0, temperature=1.0, learning_rate=1e-6,
+                      max_grad_norm=1.0, micro_batch_groups=args.micro_batch_groups)  # fmt: skip
+    groups = random_groups(config.vocab_size, args.num_prompts, args.group_size,
+                           args.prompt_length, args.length)  # fmt: skip
+    memory = PeakMemory(device)
+    seconds = []
+    try:
+        for _ in range(args.steps):
+            memory.reset()
+            held = memory.current_mib()  # the model, Adam's state, Python: before the step
+            start = time.perf_counter()
+            trainer.step(groups, beta=0.05)
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        step_peak = memory.peak_mib()
+        memory.reset()
+        flat = [s for group in groups for s in group]
+        with torch.no_grad(), evaluation_mode(model):
+            sequence_logprobs(model, [s.prompt_ids for s in flat], [s.response_ids for s in flat],
+                              pad_id=0)  # fmt: skip
+        score_peak = memory.peak_mib()
+    except torch.OutOfMemoryError:
+        return {"oom": True, "parameters": parameters(config)}
+    return {"oom": False, "parameters": parameters(config), "step_peak_mib": step_peak,
+            "held_mib": held,
+            "score_peak_mib": score_peak, "step_seconds": statistics.median(seconds),
+            "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in flat)}  # fmt: skip
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_command(args: argparse.Namespace, shape: str, rank: int, checkpointing: bool,
+                 logprobs: str) -> list[str]:  # fmt: skip
+    return [
+        sys.executable, "-m", "benchmarks.memory", "--role", "step", "--shape", shape,
+        "--rank", str(rank), "--logprobs", logprobs, "--dtype", args.dtype, "--device", args.device,
+        "--steps", str(args.steps), "--num-prompts", str(args.num_prompts),
+        "--group-size", str(args.group_size), "--prompt-length", str(args.prompt_length),
+        "--length", str(args.length), "--micro-batch-groups", str(args.micro_batch_groups or 0),
+        *(["--checkpointing"] if checkpointing else []), *(["--small"] if args.small else []),
+    ]  # fmt: skip
+
+
+def run_step(args: argparse.Namespace, *config) -> dict:
+    done = subprocess.run(step_command(args, *config), check=True, capture_output=True,
+                          text=True, cwd=ROOT)  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def logprobs_suite(args: argparse.Namespace) -> None:
+    """Full logits against chunked log-probs, on the narrow wide-vocabulary model."""
+    print(f"narrow Qwen2 (vocabulary 151,936, width 64, 1 layer), {args.dtype}, "
+          f"B={args.num_prompts} x K={args.group_size}, {args.length} response tokens, "
+          f"median of {args.steps} steps\n")  # fmt: skip
+    print("| log-probs | peak RSS of a train step | of which the step's own | step seconds | "
+          "reference scoring peak |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- |")
+    results = {}
+    for logprobs in ("full", "chunked"):
+        result = results[logprobs] = run_step(args, "narrow", 0, False, logprobs)
+        result["own_mib"] = result["step_peak_mib"] - result["held_mib"]
+        print(f"| {logprobs} | {result['step_peak_mib']:.0f} MiB | {result['own_mib']:.0f} MiB | "
+              f"{result['step_seconds']:.2f} | {result['score_peak_mib']:.0f} MiB |",
+              flush=True)  # fmt: skip
+    full, chunked = results["full"], results["chunked"]
+    print(f"\nfull / chunked: the step's own memory {full['own_mib'] / chunked['own_mib']:.1f}x, "
+          f"time {full['step_seconds'] / chunked['step_seconds']:.2f}x")  # fmt: skip
+
+
+QWEN_ROWS = [  # (shape, LoRA rank, gradient checkpointing)
+    ("qwen2.5-0.5b", 0, False), ("qwen2.5-0.5b", 0, True), ("qwen2.5-0.5b", 16, False),
+    ("qwen2.5-1.5b", 0, True), ("qwen2.5-1.5b", 16, True), ("qwen2.5-3b", 0, True),
+    ("qwen2.5-3b", 16, True), ("qwen2.5-7b", 0, True), ("qwen2.5-7b", 16, True),
+]  # fmt: skip
+
+
+def qwen_suite(args: argparse.Namespace) -> None:
+    """Qwen2.5 sizes, full and LoRA: the step's peak and whether it fits."""
+    total = (torch.cuda.get_device_properties(0).total_memory / 2**30
+             if torch.cuda.is_available() else None)  # fmt: skip
+    card = torch.cuda.get_device_name(0) if total else "CPU (--small shapes)"
+    print(f"{card}; {args.dtype}; B={args.num_prompts} x K={args.group_size}, "
+          f"{args.prompt_length}-token prompts, {args.length} response tokens, "
+          f"micro-batches of {args.micro_batch_groups} groups\n")  # fmt: skip
+    print("| model | parameters | tuning | checkpointing | train step peak | reference scoring "
+          "peak | step seconds |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for shape, rank, checkpointing in QWEN_ROWS:
+        if args.only and shape not in args.only:
+            continue
+        result = run_step(args, shape, rank, checkpointing, "chunked")
+        tuning = f"LoRA r={rank}" if rank else "full"
+        size = f"{result['parameters'] / 1e9:.2f}B"
+        if result["oom"]:
+            print(f"| {shape} | {size} | {tuning} | {checkpointing} | out of memory | | |",
+                  flush=True)  # fmt: skip
+            continue
+        print(f"| {shape} | {size} | {tuning} | {checkpointing} | "
+              f"{result['step_peak_mib'] / 1024:.1f} GiB | {result['score_peak_mib'] / 1024:.1f} "
+              f"GiB | {result['step_seconds']:.2f} |", flush=True)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------- the driver
 
 
@@ -148,35 +311,16 @@ def create_model(directory: Path, hidden_size: int = 768, num_layers: int = 12) 
 
 def run_role(role: str, args: argparse.Namespace, dtype: str, rank: int, payload: Path) -> dict:
     command = [
-        sys.executable, __file__, "--role", role, "--model-dir", args.model_dir,
+        sys.executable, "-m", "benchmarks.memory", "--role", role, "--model-dir", args.model_dir,
         "--dtype", dtype, "--rank", str(rank), "--payload", str(payload),
         "--steps", str(args.steps), "--num-prompts", str(args.num_prompts),
         "--group-size", str(args.group_size), "--length", str(args.length),
     ]  # fmt: skip
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--num-prompts", type=int, default=2, help="B")
-    parser.add_argument("--group-size", type=int, default=4, help="K (and S)")
-    parser.add_argument("--length", type=int, default=24, help="response tokens")
-    # Internal: one measurement in this process.
-    parser.add_argument("--role", choices=["trainer", "searcher", "payload"])
-    parser.add_argument("--model-dir")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--payload")
-    args = parser.parse_args()
-    if args.role:
-        role = {"trainer": measure_trainer, "searcher": measure_searcher, "payload": write_payload}
-        print(json.dumps(role[args.role](args)))
-        return
-
+def roles_suite(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.model_dir = str(Path(tmp) / "llama-110m")
         size = create_model(Path(args.model_dir))
@@ -196,6 +340,59 @@ def main() -> None:
                     print(f"| {name} | {dtype} | {lora} | {result['after_imports']:.0f} MiB | "
                           f"{result['peak']:.0f} MiB | {result['end']:.0f} MiB | {sent} |",
                           flush=True)  # fmt: skip
+
+
+# Per suite: the settings its measurements default to (the roles suite's are the parser's).
+SUITE_DEFAULTS = {
+    "roles": {},
+    "logprobs": dict(dtypes=["float32"], steps=3, num_prompts=4, group_size=8, length=64,
+                     prompt_length=16, micro_batch_groups=0),
+    "qwen": dict(dtypes=["bfloat16"], steps=2, num_prompts=8, group_size=16, length=256,
+                 prompt_length=64, micro_batch_groups=4),
+}  # fmt: skip
+SMALL_QWEN = dict(num_prompts=2, group_size=4, length=16, prompt_length=8, micro_batch_groups=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=list(SUITE_DEFAULTS), default="roles")
+    parser.add_argument("--small", action="store_true",
+                        help="qwen suite: narrow shapes and a small batch, to try it on a CPU")
+    parser.add_argument("--only", nargs="+", help="qwen suite: these shapes only")
+    parser.add_argument("--dtypes", nargs="+", default=None)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--num-prompts", type=int, default=None, help="B")
+    parser.add_argument("--group-size", type=int, default=None, help="K (and S)")
+    parser.add_argument("--length", type=int, default=None, help="response tokens")
+    parser.add_argument("--prompt-length", type=int, default=None)
+    parser.add_argument("--micro-batch-groups", type=int, default=None,
+                        help="groups per micro-batch (0: the whole batch at once)")
+    parser.add_argument("--device", default="auto")
+    # Internal: one measurement in this process.
+    parser.add_argument("--role", choices=["trainer", "searcher", "payload", "step"])
+    parser.add_argument("--model-dir")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--payload")
+    parser.add_argument("--shape")
+    parser.add_argument("--logprobs", choices=["full", "chunked"], default="chunked")
+    parser.add_argument("--checkpointing", action="store_true")
+    args = parser.parse_args()
+    defaults = dict(dtypes=["float32", "bfloat16"], steps=2, num_prompts=2, group_size=4,
+                    length=24, prompt_length=16, micro_batch_groups=0)  # fmt: skip
+    defaults |= SUITE_DEFAULTS[args.suite] | (SMALL_QWEN if args.small else {})
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.micro_batch_groups = args.micro_batch_groups or None
+    if args.role:
+        role = {"trainer": measure_trainer, "searcher": measure_searcher,
+                "payload": write_payload, "step": measure_step}  # fmt: skip
+        print(json.dumps(role[args.role](args)))
+        return
+    args.dtype = args.dtypes[0]
+    {"roles": roles_suite, "logprobs": logprobs_suite, "qwen": qwen_suite}[args.suite](args)
 
 
 if __name__ == "__main__":

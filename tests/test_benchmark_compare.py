@@ -1,11 +1,12 @@
-"""`benchmarks.compare --only`: the methods it names, in that order; an unknown one refused."""
+"""`benchmarks.compare`: `--only` keeps the methods it names, in that order, and refuses an unknown
+one; the value suite's table of times to 55% and 60%."""
 
 import argparse
 
 import pytest
 
-from benchmarks.common import pick_methods
-from benchmarks.compare import objectives_at
+from benchmarks.common import Point, aggregate, pick_methods
+from benchmarks.compare import objectives_at, print_times_to_targets, suites
 
 
 def test_only_keeps_the_named_methods_in_the_order_given():
@@ -21,3 +22,23 @@ def test_an_unknown_method_is_refused_in_one_line_naming_the_choices(capsys):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--only: unknown tb-k3; choose from tb-k2, tb-plain-k2" in error
+
+
+def test_times_to_targets_give_minutes_samples_and_multiples_of_tbs_time(capsys):
+    def run(minutes_per_point: float, samples_per_point: int) -> list[Point]:
+        values = [0.40, 0.50, 0.60, 0.70]
+        return [Point(i * minutes_per_point, i, i * samples_per_point, v)
+                for i, v in enumerate(values)]  # fmt: skip
+
+    aggregates = {
+        "tba": aggregate("TB", [run(1.0, 100)], [{}], step=0.5),
+        "vineppo-sync": aggregate("VinePPO", [run(4.0, 1000)], [{}], step=0.5),
+    }
+    print_times_to_targets(aggregates, budget=20.0)
+    rows = capsys.readouterr().out.strip().splitlines()
+    # 55%: half-way between the points at 0.50 and 0.60; 60%: the third point.
+    assert rows[-2] == "| TB | 1.5 | 150 | 1.0 | 2.0 | 200 | 1.0 |"
+    assert rows[-1] == "| VinePPO | 6.0 | 1,500 | 4.0 | 8.0 | 2,000 | 4.0 |"
+    assert {"tba", "ppo-sync", "ppo-async", "vineppo-sync"} == set(
+        suites(argparse.Namespace(trl_lr=5e-5))["value"]
+    )

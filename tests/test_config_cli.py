@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from tba.cli import main
 from tba.config import ConfigError, RunConfig, dump_config, load_config, reference_page
+from tba.loop import step_limit
 
 
 @pytest.fixture
@@ -68,7 +69,8 @@ def test_overrides_win_over_the_yaml_file(config_file):
 
 
 def test_override_values_are_parsed_as_yaml():
-    config = load_config(None, ["train.max_minutes=null", "output_dir=runs/x", "seed=7"])
+    config = load_config(None, ["train.max_minutes=null", "train.max_steps=5",
+                                "output_dir=runs/x", "seed=7"])  # fmt: skip
     assert config.train.max_minutes is None
     assert config.output_dir == "runs/x"
     assert config.seed == 7
@@ -330,6 +332,8 @@ def test_the_configuration_reference_documents_every_setting_with_its_default():
     reference = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     for key, default in _leaf_fields(RunConfig):
         shown = "null" if default is None else default
+        if isinstance(shown, str):  # a newline is shown as `\n`
+            shown = shown.encode("unicode_escape").decode()
         assert f"| `{key}` | `{shown}` |" in reference, key
 
 
@@ -338,3 +342,36 @@ def test_the_configuration_reference_is_current():
     assert reference == reference_page(), (
         "docs/configuration.md is out of date: `tba config --reference > docs/configuration.md`"
     )
+
+
+# ------------------------------------------------------------------- what ends a run, by default
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.parametrize("path", [None, ROOT / "configs/math_async.yaml",
+                                  ROOT / "configs/math_sync.yaml"])  # fmt: skip
+def test_the_default_job_ends_by_its_time_on_any_device(path):
+    """The default job is 10 minutes of training, however many steps a device takes in them;
+    its evaluations and checkpoints come every so many minutes, not steps."""
+    config = load_config(path, [])
+    assert config.train.max_minutes == 10
+    assert step_limit(config.train, num_prompts=config.task.num_train) is None
+    assert config.eval.every is None and config.eval.every_minutes == 0.5
+    assert config.checkpoint.every is None and config.checkpoint.every_minutes == 5
+
+
+def test_step_limits_given_or_preset_still_end_a_run():
+    assert step_limit(load_config(None, ["train.max_steps=30"]).train, 5000) == 30
+    epochs = load_config(None, ["train.num_epochs=2", "train.max_minutes=null"]).train
+    assert step_limit(epochs, 5000) == 2 * 5000 // 8
+    # Tasks whose results were measured over a number of steps keep it.
+    assert load_config(None, ["task.name=redteam"]).train.max_steps == 2500
+    assert load_config(None, ["task.name=summarize"]).train.max_steps == 1000
+
+
+def test_a_run_without_any_limit_is_refused_in_one_line(capsys):
+    assert main(["config", "train.max_minutes=null"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert "train.max_minutes, train.max_steps or train.num_epochs" in error

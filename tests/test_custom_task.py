@@ -245,6 +245,11 @@ def test_tba_trainer_resumes_a_run_it_started(tmp_path, policy_dir):
     assert results["steps"] == 5
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
             if "loss" in r] == [1, 2, 3, 4, 5]  # fmt: skip
+    # Once more with the same limit: nothing to train, said in one line, nothing written.
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="already reached its limit, train.max_steps=5"):
+        trainer.train(resume_from_checkpoint=True)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
 
 
 def test_tba_trainer_maps_a_peft_config_to_lora(tmp_path, policy_dir):

@@ -14,23 +14,33 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import SafetensorError
 from test_train_e2e import FAST
 
 import tba.checkpoint
+import tba.locks
 import tba.loop
+from benchmarks.faults import FAST as TINY_RUN
+from benchmarks.faults import Workspace
+from tba import TBAConfig, TBATrainer
 from tba.checkpoint import list_checkpoints, load_checkpoint
 from tba.cli import main
 from tba.config import load_config
 from tba.core import Sample
-from tba.errors import RewardError
+from tba.errors import ConfigError, RewardError
+from tba.evaluation import EvalFaults
+from tba.locks import FileLock, Locked
+from tba.policy.model import check_devices
 from tba.policy.sampling import Generation
+from tba.policy.sources import built_once
 from tba.rewards.scorer import RewardScorer
-from tba.run_dir import read_metrics
+from tba.run_dir import LOCK_FILE, RunBusyError, read_metrics
 from tba.runtime.ray_cluster import ray_session
 from tba.searcher import Searcher, SearchSettings
 from tba.tasks.verifiers.last_number import last_number_reward
@@ -406,3 +416,230 @@ def _address(hex_address: str, family: int) -> str:
     # /proc prints each 32-bit word in host (little-endian) order.
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return socket.inet_ntop(family, words)
+
+
+# ------------------------------------------- a run's directory, devices, paths, value types
+
+
+LOCKS = Path(tba.locks.__file__)
+HOLDER = """
+import importlib.util, pathlib, sys, time
+spec = importlib.util.spec_from_file_location("locks", sys.argv[1])
+locks = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(locks)
+locks.FileLock(pathlib.Path(sys.argv[2])).acquire()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Workspace:
+    """A tiny policy, rows and reward functions (`benchmarks.faults`)."""
+    return Workspace(tmp_path / "ws")
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    """Another process holding `path`'s lock (tba.locks alone: no torch to import)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(LOCKS), str(path)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_start_is_refused_while_the_first_runs_and_a_dead_ones_lock_is_not(
+    workspace, tmp_path, capsys
+):  # fmt: skip
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = {"config.yaml": "seed: 0\n", "metrics.jsonl": '{"step": 0}\n'}  # no checkpoint yet
+    for name, text in first.items():
+        (run_dir / name).write_text(text)
+    holder = hold_lock(run_dir / LOCK_FILE)
+    settings = [*TINY_RUN, *workspace.task(), f"output_dir={run_dir}"]
+    try:
+        assert main(["train", *settings]) == 2
+        err = capsys.readouterr().err
+        assert f"run directory {run_dir} is in use by process {holder.pid}" in err
+        assert len(err.strip().splitlines()) == 1
+        assert main(["train", *settings, "--overwrite"]) == 2
+        assert main(["train", "--resume", str(run_dir)]) == 2
+        assert "is in use by process" in capsys.readouterr().err
+        config = TBAConfig.from_overrides([*TINY_RUN, f"output_dir={run_dir}"])
+        with pytest.raises(RunBusyError, match=f"process {holder.pid}"):
+            TBATrainer(str(workspace.policy), ones, args=config,
+                       train_dataset=[{"prompt": "Q\n"}]).train()  # fmt: skip
+        assert {name: (run_dir / name).read_text() for name in first} == first
+    finally:
+        holder.kill()  # SIGKILL: its lock is left behind, held by no one
+        holder.wait()
+    assert (run_dir / LOCK_FILE).exists()
+    assert main(["train", *settings]) == 0
+    assert json.loads((run_dir / "eval.json").read_text())["steps"] == 3
+    assert not (run_dir / LOCK_FILE).exists()  # let go at exit
+
+
+def test_a_lock_file_held_by_no_one_is_taken_and_a_held_one_is_named(tmp_path):
+    path = tmp_path / "x.lock"
+    path.write_text(json.dumps({"pid": 999999999, "host": "elsewhere"}))  # a dead holder's
+    with FileLock(path):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+        with pytest.raises(Locked, match=f"locked by process {os.getpid()}"):
+            FileLock(path).acquire()
+    assert not path.exists()
+
+
+def test_concurrent_builds_into_one_cache_build_once(tmp_path):
+    """Seeds started together on a fresh machine: one builds, the others wait and use it."""
+    built, waited = [], []
+
+    def build(staging: Path) -> None:
+        built.append(staging)
+        time.sleep(0.5)  # long enough for the others to find the build under way
+        staging.mkdir()
+        (staging / "config.json").write_text("{}")
+
+    target = tmp_path / "cache" / "model"
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: built_once(target, "config.json", "a model", build,
+                                                   log=waited.append), range(3)))  # fmt: skip
+    assert paths == [target] * 3 and len(built) == 1
+    assert sum("waiting for process" in line for line in waited) == 2
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]  # no .partial, no lock
+
+
+def test_devices_this_machine_lacks_are_one_line_before_anything_starts(workspace, tmp_path):
+    config = TBAConfig.from_overrides([*TINY_RUN, f"output_dir={tmp_path / 'run'}",
+                                       "policy.device=cuda:99"])  # fmt: skip
+    trainer = TBATrainer(str(workspace.policy), ones, args=config,
+                         train_dataset=[{"prompt": "Q\n"}])  # fmt: skip
+    with pytest.raises(ConfigError, match="policy.device=cuda:99: this machine has"):
+        trainer.train()
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=r"policy.device: a device is auto .*\(got 'gpu'\)"):
+        TBAConfig(policy={"device": "gpu"})
+    with pytest.raises(ConfigError, match="task.reward_device=cuda needs searchers.num_gpus > 0"):
+        load_config(None, ["task.reward_device=cuda"])  # searcher processes see no GPU
+    if not torch.cuda.is_available():
+        for settings in (["searchers.count=0", "train.mode=sync", "searchers.device=cuda"],
+                         ["searchers.num_gpus=1"], ["policy.device=cuda"]):
+            with pytest.raises(ConfigError, match="this machine has no CUDA device"):
+                check_devices(load_config(None, settings))
+
+
+@pytest.mark.parametrize("returned", [
+    torch.tensor([1.0, 0.0, 2.0, 3.0]), np.array([1, 0, 2, 3]), (1.0, 0.0, 2.0, 3.0),
+    [np.float32(1.0), np.bool_(False), torch.tensor(2.0), np.int64(3)],
+])  # fmt: skip
+def test_rewards_of_every_type_trl_takes_are_numbers(returned):
+    def typed(prompts, completions, **_):
+        return returned
+
+    scores = score(typed)
+    assert scores.totals == [2.0, 1.0, 3.0, 4.0] and scores.faults == []
+
+
+def test_boolean_arrays_and_none_entries_are_rewards_too_and_only_non_numbers_drop():
+    def bools(prompts, completions, **_):
+        return torch.tensor([True, False, True, False])
+
+    def some(prompts, completions, **_):
+        return np.array([1.0, None, 2.0, None], dtype=object)
+
+    assert score(bools).totals == [2.0, 1.0, 2.0, 1.0]
+    assert score(some).totals == [2.0, 1.0, 3.0, 1.0] and score(some).faults == []
+    for returned, reason in [(torch.tensor(1.0), "returned a Tensor, not a list"),
+                             ([torch.ones(2)] * 4, "(not a finite number) for 4 completions")]:
+        scores = score(lambda prompts, completions, **_: returned)  # noqa: B023
+        assert all(math.isnan(t) for t in scores.totals) and reason in scores.faults[0][1]
+
+
+def test_a_tba_trainer_trains_on_tensor_rewards(workspace, tmp_path):
+    def tensor_reward(completions, **_):
+        return torch.tensor([len(c) % 3 for c in completions], dtype=torch.float32)
+
+    config = TBAConfig.from_overrides([*TINY_RUN, f"output_dir={tmp_path / 'run'}"])
+    rows = [{"prompt": f"Q{i}\n"} for i in range(8)]
+    results = TBATrainer(str(workspace.policy), tensor_reward, args=config,
+                         train_dataset=rows).train()  # fmt: skip
+    assert results["steps"] == 3 and results["reward_dropped"] == 0
+    assert results["reward_faults"] == {} and math.isfinite(results["final"]["eval_reward"])
+
+
+def test_output_dirs_that_cannot_be_used_are_one_line(workspace, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    for output_dir, message in [
+        (notes, "notes.txt is a file, not a directory: choose another output_dir"),
+        (notes / "run", "notes.txt is a file, not a directory; choose another output_dir"),
+    ]:
+        config = TBAConfig.from_overrides([*TINY_RUN, f"output_dir={output_dir}"])
+        trainer = TBATrainer(str(workspace.policy), ones, args=config,
+                             train_dataset=[{"prompt": "Q\n"}])  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            trainer.train()
+    assert notes.read_text() == "mine\n"
+    with pytest.raises(ConfigError, match="train_dataset: a datasets.Dataset.*got a int \\(42\\)"):
+        TBATrainer(str(workspace.policy), ones, args=config, train_dataset=42)
+
+
+def test_an_evaluation_failing_on_every_row_stops_the_run_at_once(workspace, tmp_path):
+    def needs_answer(completions, answer, **_):  # the held-out rows have no `answer`
+        return [float(a in c) for c, a in zip(completions, answer)]
+
+    config = TBAConfig.from_overrides([*TINY_RUN, f"output_dir={tmp_path / 'run'}"])
+    trainer = TBATrainer(str(workspace.policy), ones, args=config, eval_func=needs_answer,
+                         train_dataset=[{"prompt": f"Q{i}\n"} for i in range(8)])  # fmt: skip
+    with pytest.raises(RewardError, match="held-out evaluation: 'needs_answer' failed on all 4 "
+                       "completions: raised TypeError"):  # fmt: skip
+        trainer.train()
+
+
+def test_tba_eval_of_a_function_failing_on_every_row_is_an_error_not_nan(workspace, tmp_path,
+                                                                         capsys):  # fmt: skip
+    run_dir = tmp_path / "run"
+    settings = [*TINY_RUN, *workspace.task("works", "works"), f"output_dir={run_dir}"]
+    assert main(["train", *settings]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), f"task.eval_func={workspace.rewards}:raises"]) == 1
+    err = capsys.readouterr().err
+    assert "held-out evaluation: 'raises' failed on all 4 completions: raised ValueError" in err
+    assert not (run_dir / "eval_final.json").exists()
+
+
+def test_a_partial_or_passing_evaluation_fault_is_an_event_not_the_end():
+    events = []
+    faults = EvalFaults(lambda kind, **fields: events.append(fields))
+    faults("judge", "returned nan (not a finite number) for 3 completions", 3, 4)
+    faults.evaluation_done()  # a partial failure: counted
+    faults("judge", "raised KeyError: 'answer'", 4, 4)
+    with pytest.raises(RewardError, match="'judge' failed on all 4 completions: raised KeyError"):
+        faults.evaluation_done()
+    assert [e["failed"] for e in events] == [3, 4]
+
+    calls = []
+
+    def cold_start(prompts, completions, **_):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("judge warming up")
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([cold_start], call_again=True)
+    scores = scorer.score(PROMPTS, COMPLETIONS, [[1]] * 4, {})
+    assert scores.totals == [1.0] * 4  # called once more: a whole evaluation is not lost
+    assert scores.faults == [("cold_start", "raised ConnectionError: judge warming up (then "
+                              "worked, called again)", 0)]  # fmt: skip
+
+
+def test_a_refused_resume_builds_no_task_world(workspace, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY_RUN, *workspace.task(), f"output_dir={run_dir}"]) == 0
+
+    def load_task(*args, **kwargs):
+        raise AssertionError("the task was loaded before the checkpoint was checked")
+
+    monkeypatch.setattr(tba.loop, "load_task", load_task)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "task.num_train=3"]) == 2
+    assert "task.num_train=5000 (this run: 3); a checkpoint" in capsys.readouterr().err

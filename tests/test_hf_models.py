@@ -408,7 +408,7 @@ def test_lora_sync_sends_only_adapter_tensors(model_dirs):
         )
         base = load_model(str(model_dirs["llama"]), "cpu").eval()
         base_logp = sequence_logprobs(base, [prompt], responses, pad_id=pad)
-    assert searcher._reference_logps([prompt], responses) == pytest.approx(base_logp.tolist())
+    assert searcher._reference_logps([prompt], responses)[0] == pytest.approx(base_logp.tolist())
     assert abs(policy_logp.item() - base_logp.item()) > 1e-4  # the adapters do something
 
 

@@ -23,6 +23,7 @@ from test_train_e2e import FAST
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import check_compatible, latest_checkpoint, list_checkpoints, save_checkpoint
 from tba.cli import main
+from tba.config import load_config
 from tba.core import Sample
 from tba.errors import CheckpointError
 from tba.policy.model import frozen_copy
@@ -139,8 +140,16 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     common = [*FAST, f"pretrain.cache_dir={tmp_path / 'cache'}", f"output_dir={run_dir}"]
     assert main(["train", *common, "train.max_steps=2"]) == 0
     capsys.readouterr()
+    # Resumed as it was, a finished run would train nothing: said in one line, nothing written.
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"run {run_dir} already reached its limit, train.max_steps=2 (step 2)" in err
+    assert f"tba train --resume {run_dir} train.max_steps=4" in err
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
     assert main(["train", "--resume", str(run_dir), "task.num_train=64"]) == 2
-    assert "was written with task=" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "was written with task.num_train=32 (this run: 64)" in err and "num_eval" not in err
     assert main(["train", "--resume", str(run_dir), "seed=1"]) == 2
     assert "seed=0" in capsys.readouterr().err
 
@@ -158,8 +167,24 @@ def test_check_compatible_names_the_setting():
     saved = {"seed": 0, "policy": {"model": "a"}, "task": {"name": "math"}}
     check_compatible(saved, saved, Path("ckpt"))
     changed = {**saved, "policy": {"model": "b"}}
-    with pytest.raises(CheckpointError, match="policy.model='a', this run has 'b'"):
+    with pytest.raises(CheckpointError, match=r"policy.model='a' \(this run: 'b'\)"):
         check_compatible(saved, changed, Path("ckpt"))
+
+
+def test_check_compatible_names_only_the_task_settings_that_differ():
+    task = load_config(None, []).model_dump()["task"]
+    saved = {"seed": 0, "task": task}
+    # How the run is measured may change: the held-out set's size, the reward models' batches.
+    check_compatible(saved, {**saved, "task": {**task, "num_eval": 7, "num_eval_pass_k": 3,
+                                               "reward_batch_size": 2}}, Path("ckpt"))  # fmt: skip
+    changed = {**saved, "task": {**task, "num_train": 9, "num_eval": 7,
+                                 "redteam": {**task["redteam"], "victim_samples": 2}}}  # fmt: skip
+    with pytest.raises(CheckpointError) as error:
+        check_compatible(saved, changed, Path("ckpt"))
+    message = str(error.value)
+    assert "task.num_train=5000 (this run: 9)" in message
+    assert "task.redteam.victim_samples=5 (this run: 2)" in message
+    assert "num_eval" not in message and len(message) < 400
 
 
 # ------------------------------------------------------------------------ the pieces, exactly

@@ -42,6 +42,8 @@ class FakeTrainer(Trainer):
 class FakeSearchers:
     """Makes one group of samples per call, with the version it was last given."""
 
+    needs_weights = True
+
     def __init__(self, group_size: int = 2) -> None:
         self.group_size = group_size
         self.published: list[int] = []

@@ -160,9 +160,9 @@ def test_every_loss_trains_on_searcher_samples(tiny_model, tokenizer, loss):
 
 
 def test_unknown_loss_is_refused(tiny_model, tokenizer):
-    with pytest.raises(ValueError, match="unknown loss 'ppo'; available: tb, dr_grpo"):
+    with pytest.raises(ValueError, match="unknown loss 'a2c'; available: tb, dr_grpo"):
         Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3, max_grad_norm=1.0,
-                loss="ppo")  # fmt: skip
+                loss="a2c")  # fmt: skip
 
 
 @pytest.mark.parametrize("loss", ["rloo", "dr_grpo"])

@@ -51,6 +51,7 @@ def test_train_writes_a_complete_run_directory(tmp_path, fast_overrides):
     expected = {"time", "loss", "reward_mean", "beta", "buffer_size", "staleness_mean"}
     assert expected <= set(steps[0])
     assert "gen_tokens_per_s" in steps[0] and "train_tokens_per_s" in steps[0]
+    assert all(r["peak_memory_mib"] > 0 for r in steps)  # this process's peak RSS, per step
     assert steps[-1]["buffer_size"] == 3 * 2 * 4
     # Synchronous on-policy mode: every batch comes from the weights just published.
     assert all(r["staleness_max"] == 0 for r in steps)
@@ -58,6 +59,7 @@ def test_train_writes_a_complete_run_directory(tmp_path, fast_overrides):
     summary = json.loads((run_dir / "eval.json").read_text())
     assert {"eval_pass@1", "pass@2", "sampled_pass@1"} <= set(summary["base"])
     assert summary["steps"] == 3
+    assert summary["peak_memory_mib"] == max(r["peak_memory_mib"] for r in steps)
     assert (run_dir / "curves.png").stat().st_size > 0
     assert (run_dir / "final" / "config.json").exists()
 

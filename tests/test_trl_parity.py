@@ -1,18 +1,23 @@
 """What a TRL user relies on: TRL's reward contract (keywords, `completion_ids`,
-`trainer_state`, None for a completion a function does not score, reward weights), TRL's config
-names in `TBAConfig`, the truncation rule, `save_model`, the completions log, per-function
-reward metrics, a model wrapped by `get_peft_model`, and reruns after a failed start."""
+`trainer_state`, `log_metric`, None for a completion a function does not score, reward weights),
+the truncation rule, `train()`'s `TrainOutput`, `save_model`, `push_to_hub`, `report_to="trackio"`,
+the completions log, per-function reward metrics, a model wrapped by `get_peft_model`, and reruns
+into the same directory (TRL's config names: test_trl_args.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+import types
 from pathlib import Path
 
+import huggingface_hub.constants
 import pandas as pd
 import peft
 import pytest
 from safetensors.torch import load_file
+from transformers.trainer_utils import TrainOutput
 
 from tba import TBAConfig, TBATrainer
 from tba.config import load_config
@@ -21,7 +26,7 @@ from tba.policy.sampling import Generation
 from tba.rewards.scorer import RewardScorer, TrainerState
 from tba.run_dir import RunExistsError, read_metrics
 from tba.searcher import Searcher, SearchSettings
-from tba.trl_args import TRL_ARGUMENTS, Ignored, Refused, reference_page
+from tba.tracking import open_trackers
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNC = ["train.mode=sync", "searchers.count=0", "train.num_prompts=2", "train.group_size=4",
@@ -75,7 +80,7 @@ def test_reward_weights_weigh_each_function_as_trl_does():
     scores = RewardScorer([one, two], weights=[0.5, -1.0]).score(["p", "q"], ["a", "b"],
                                                                   [[1], [1]], {})  # fmt: skip
     assert scores.totals == [0.5 - 2.0, -4.0]
-    with pytest.raises(ValueError, match="1 reward weights for 2 reward functions"):
+    with pytest.raises(ConfigError, match="reward_weights has 1 weights for 2 reward functions"):
         RewardScorer([one, two], weights=[1.0])
 
 
@@ -126,72 +131,6 @@ def test_the_default_rule_is_trls_and_the_embedded_tasks_keep_their_penalty():
     for task in ("math", "redteam", "summarize"):
         assert load_config(None, [f"task.name={task}"]).train.truncated == "penalize"
     assert TBAConfig(mask_truncated_completions=True).train.truncated == "drop"
-
-
-# ------------------------------------------------------------------------- TRL's config names
-
-
-def test_grpo_config_arguments_become_tba_settings():
-    config = TBAConfig(
-        learning_rate=1e-5, num_generations=4, per_device_train_batch_size=8,
-        gradient_accumulation_steps=16, max_completion_length=64, max_prompt_length=128,
-        num_train_epochs=1, bf16=True, beta=0.04, epsilon=0.3, save_steps=10,
-        report_to="none", temperature=0.9, reward_weights=[1.0, 0.5], warmup_steps=5,
-        max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=10,
-        remove_unused_columns=False, mask_truncated_completions=True, log_completions=True,
-    )  # fmt: skip
-    train = config.train
-    assert (train.learning_rate, train.group_size, train.num_prompts) == (1e-5, 4, 32)
-    assert (train.micro_batch_groups, train.num_epochs, train.max_minutes) == (2, 1.0, None)
-    assert (train.beta, train.clip_eps, train.warmup_steps, train.max_grad_norm) == (
-        0.04, 0.3, 5, 0.5)  # fmt: skip
-    assert train.gradient_checkpointing and train.truncated == "drop" and config.log_completions
-    assert (config.policy.max_new_tokens, config.policy.max_prompt_length) == (64, 128)
-    assert (config.policy.dtype, config.policy.temperature) == ("bfloat16", 0.9)
-    assert config.checkpoint.every == 10 and config.report_to == []
-    assert config.task.reward_weights == [1.0, 0.5]
-    assert config._trl_notes == [
-        "logging_steps=10 has no effect in tba: TRL's logging: tba logs every step to "
-        "metrics.jsonl (and report_to)",
-        "remove_unused_columns=False has no effect in tba: TRL's data loading: tba's searchers "
-        "read the rows themselves",
-    ]
-    assert TBAConfig(max_steps=5, num_train_epochs=3).train.num_epochs is None  # as in TRL
-
-
-@pytest.mark.parametrize(
-    ("arguments", "message"),
-    [
-        ({"beta": 0.0}, "TRL argument beta=0.0: tba's train.beta must be > 0"),
-        ({"top_p": 0.9}, "TRL argument top_p=0.9 has no tba equivalent: nucleus sampling"),
-        ({"fp16": True}, "fp16=True has no tba equivalent: use bf16=True"),
-        ({"push_to_hub": True}, "push_to_hub=True has no tba equivalent: tba does not upload"),
-        ({"report_to": "mlflow"}, "tba reports to tensorboard and wandb"),
-        ({"lr_scheduler": 1}, "unknown setting 'lr_scheduler': not a tba section nor a TRL"),
-        ({"num_generations": 3, "per_device_train_batch_size": 8}, "whole groups per pass"),
-        ({"learning_rate": 1e-5, "train": {"learning_rate": 1e-4}},
-         "train.learning_rate is set twice"),
-        ({"train": {"beta": -1}}, "invalid value for train.beta: Input should be greater than 0"),
-    ],
-)  # fmt: skip
-def test_what_tba_cannot_honour_is_one_line_naming_it(arguments, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
-        TBAConfig(**arguments)
-    assert "\n" not in str(error.value)
-
-
-def test_every_trl_argument_is_documented():
-    assert (ROOT / "docs" / "trl.md").read_text() == reference_page(), (
-        "docs/trl.md is out of date: `tba config --trl > docs/trl.md`"
-    )
-    kinds = {type(entry) for entry in TRL_ARGUMENTS.values()}
-    assert Ignored in kinds and Refused in kinds
-
-
-def test_tba_overrides_from_the_environment_apply_on_top(monkeypatch):
-    monkeypatch.setenv("TBA_OVERRIDES", "train.mode=sync searchers.count=0 train.beta=0.2")
-    config = TBAConfig(beta=0.1)
-    assert (config.train.mode, config.searchers.count, config.train.beta) == ("sync", 0, 0.2)
 
 
 # ------------------------------------------------------------------------- the trainer
@@ -256,7 +195,8 @@ def test_trained_adapters_are_refused_rather_than_dropped(tmp_path, tiny_model, 
                    processing_class=tokenizer)  # fmt: skip
 
 
-def test_a_failed_start_does_not_block_the_next_and_messages_name_the_api(tmp_path, policy_dir):
+def test_a_failed_start_does_not_block_the_next_and_a_rerun_starts_afresh(tmp_path, policy_dir,
+                                                                          capsys):  # fmt: skip
     def one(completions, **kwargs):
         return [1.0] * len(completions)
 
@@ -269,6 +209,119 @@ def test_a_failed_start_does_not_block_the_next_and_messages_name_the_api(tmp_pa
         TBATrainer(str(broken), one, args=config, train_dataset=rows()).train()
     assert (run / "config.yaml").exists() and not (run / "checkpoints").exists()
     trainer = TBATrainer(str(policy_dir), one, args=config, train_dataset=rows())
-    trainer.train()  # the failed start is replaced, not in the way
+    result = trainer.train()  # the failed start is replaced, not in the way
+    # TRL's TrainOutput, with tba's figures beside TRL's.
+    assert isinstance(result, TrainOutput) and result.global_step == 3
+    losses = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert result.training_loss == pytest.approx(sum(losses) / 3)
+    assert result.metrics["train_runtime"] > 0 and result.metrics["train_loss"] == result[1]
+    assert result.metrics["train_samples_per_second"] == pytest.approx(
+        3 * 2 * 4 / result.metrics["train_runtime"])  # fmt: skip
+    assert result.metrics["epoch"] == pytest.approx(3 * 2 / 8)
+    assert result["run_dir"] == str(run) and "eval_reward" in result["final"]
+    # As in TRL, the same script again is a fresh run; resuming or keeping it is asked for.
+    again = TBATrainer(str(policy_dir), one, args=config, train_dataset=rows()).train()
+    assert again.global_step == 3 and "Traceback" not in capsys.readouterr().err
+    assert len([r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]) == 3
     with pytest.raises(RunExistsError, match=r"trainer.train\(resume_from_checkpoint=True\)"):
-        TBATrainer(str(policy_dir), one, args=config, train_dataset=rows()).train()
+        TBATrainer(str(policy_dir), one, args=config, train_dataset=rows()).train(overwrite=False)
+    with pytest.raises(ConfigError, match="resume_from_checkpoint='elsewhere': tba resumes"):
+        trainer.train(resume_from_checkpoint="elsewhere")
+    # push_to_hub: offline, one line, and the trained policy stays where it is.
+    capsys.readouterr()
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patch:
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        assert trainer.push_to_hub(dataset_name="local/rows") is None
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and "push_to_hub: run was not uploaded" in line
+    assert "offline mode is enabled" in line and (run / "final" / "config.json").is_file()
+
+
+class FakeHub:
+    """HfApi's create_repo and upload_folder, recorded."""
+
+    calls: list = []
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        self.calls.append(("create_repo", repo_id, private, self.token))
+        return types.SimpleNamespace(repo_id=f"me/{repo_id}" if "/" not in repo_id else repo_id)
+
+    def upload_folder(self, repo_id, folder_path, commit_message, revision):
+        card = (Path(folder_path) / "README.md").read_text()
+        self.calls.append(("upload_folder", repo_id, Path(folder_path).name, revision, card))
+        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
+
+
+def test_push_to_hub_true_uploads_the_trained_policy_after_training(tmp_path, policy_dir,
+                                                                    monkeypatch):  # fmt: skip
+    monkeypatch.setattr("tba.api.HfApi", FakeHub)
+    FakeHub.calls = []
+    settings = TBAConfig.from_overrides([*SYNC, f"output_dir={tmp_path / 'run'}"]).model_dump()
+    config = TBAConfig(**settings, push_to_hub=True, hub_model_id="org/policy",
+                       hub_private_repo=True, hub_token="hf_secret")  # fmt: skip
+    trainer = TBATrainer(str(policy_dir), lambda completions, **k: [0.0] * len(completions),
+                         args=config, train_dataset=rows())  # fmt: skip
+    trainer.train()
+    created, uploaded = FakeHub.calls
+    assert created == ("create_repo", "org/policy", True, "hf_secret")
+    assert uploaded[:4] == ("upload_folder", "org/policy", "final", None)
+    assert "tags:" in uploaded[4] and "tba" in uploaded[4]
+    url = trainer.push_to_hub(dataset_name="me/rows", revision="v2")
+    assert url == "https://huggingface.co/org/policy/commit/1"
+    assert FakeHub.calls[-1][3] == "v2" and "me/rows" in FakeHub.calls[-1][4]
+
+
+def test_trackio_gets_every_metric_record(tmp_path, monkeypatch):
+    calls = []
+    fake = types.ModuleType("trackio")
+    fake.init = lambda project, name, config: calls.append(("init", project, name))
+    fake.log = lambda numbers, step: calls.append(("log", step, numbers))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "trackio", fake)
+    monkeypatch.setattr("tba.tracking.require_trackers", lambda names: None)
+    monkeypatch.setenv("TRACKIO_PROJECT", "mine")
+    trackers = open_trackers(load_config(None, ["report_to=[trackio]"]), tmp_path / "run")
+    trackers.log({"step": 3, "loss": 0.5, "note": "text"})
+    trackers.close()
+    assert calls == [("init", "mine", "run"), ("log", 3, {"loss": 0.5}), ("finish",)]
+
+
+def test_reward_functions_log_metrics_as_trls_log_metric():
+    def counted(completions, log_metric, **kwargs):
+        log_metric("answers/long", sum(len(c) > 2 for c in completions) / len(completions))
+        log_metric("answers/long", 1.0)
+        return [1.0] * len(completions)
+
+    scores = RewardScorer([counted]).score(["p", "q"], ["abc", "d"], [[1], [1]], {})
+    assert scores.metrics == {"answers/long": 0.75}
+
+
+def test_a_quantized_model_is_refused_in_one_line(tmp_path, tiny_model, tokenizer):
+    tiny_model.config.quantization_config = {"load_in_4bit": True}
+    with pytest.raises(ConfigError, match="the model is quantized: tba trains and samples"):
+        TBATrainer(tiny_model, lambda completions, **k: [0.0] * len(completions),
+                   args=TBAConfig(output_dir=str(tmp_path / "run")), train_dataset=rows(),
+                   processing_class=tokenizer)  # fmt: skip
+
+
+def test_a_generation_of_half_steps_serves_two_steps_without_replay(tmp_path, policy_dir):
+    """LoRA Without Regret's batches: 1 completion a pass, 4 passes, generations of one prompt's
+    8 completions. Synchronously, each generation serves two steps of 4 fresh completions."""
+    config = TBAConfig(
+        per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=8,
+        generation_batch_size=8, output_dir=str(tmp_path / "run"),
+        train={"mode": "sync", "max_steps": 4}, searchers={"count": 0},
+        policy={"max_new_tokens": 8, "num_threads": 1}, task={"num_eval": 4},
+    )  # fmt: skip
+    result = TBATrainer(str(policy_dir), lambda completions, **k: [float(len(c)) for c in
+                                                                  completions],
+                        args=config, train_dataset=rows()).train()  # fmt: skip
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["generations"] for r in steps] == [1, 0, 1, 0]
+    assert result.metrics["groups_reused"] == 0 and result.metrics["groups_fresh"] == 4
+    assert result.metrics["train_samples_per_second"] * result.metrics["train_runtime"] == \
+        pytest.approx(4 * 4)  # fmt: skip

@@ -31,19 +31,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import HfApi
 from pydantic import BaseModel, PrivateAttr, ValidationError
 from transformers import AutoTokenizer, PreTrainedModel
+from transformers.trainer_utils import TrainOutput
 
 from tba.config import RunConfig, apply_overrides, first_error_line, load_config
 from tba.core import RewardFn
-from tba.errors import ConfigError
+from tba.errors import ConfigError, first_line
 from tba.loop import train
 from tba.offline_eval import score_final
 from tba.policy.model import is_lora
 from tba.quiet import quiet_libraries
-from tba.run_dir import RunExistsError
+from tba.rewards.scorer import check_reward_weights
+from tba.run_dir import RunExistsError, read_metrics
 from tba.tasks.custom import custom_task, prepare_rows, reward_functions
-from tba.trl_args import from_trl
+from tba.trl_args import TOGETHER, TRACKERS, TrlSettings, from_trl
 
 OVERRIDES_VARIABLE = "TBA_OVERRIDES"
 
@@ -51,55 +54,133 @@ OVERRIDES_VARIABLE = "TBA_OVERRIDES"
 class TBAConfig(RunConfig):
     """Every setting of a run (`tba config --reference`), as in the YAML files, by section
     (`TBAConfig(train={"learning_rate": 1e-5})`), and TRL's `GRPOConfig` arguments
-    (`TBAConfig(learning_rate=1e-5, num_generations=4)`, docs/trl.md). A bad value is one line
-    (`ConfigError`) naming the setting. The environment variable `TBA_OVERRIDES` (`key=value`
-    settings separated by spaces, as `tba train` takes them) applies on top: an unchanged script
-    runs with other settings, e.g. `TBA_OVERRIDES="train.mode=sync searchers.count=0"`."""
+    (`TBAConfig(learning_rate=1e-5, num_generations=4)`, docs/trl.md). Like a `GRPOConfig`, it
+    starts from TRL's defaults (`tba.trl_args.TRL_DEFAULTS`) for what the script sets neither by
+    TRL's name nor in tba's sections. A bad value is one line (`ConfigError`) naming the setting
+    as the script wrote it. The environment variable `TBA_OVERRIDES` (`key=value` settings
+    separated by spaces, as `tba train` takes them) applies on top of everything: an unchanged
+    script runs with other settings, e.g. `TBA_OVERRIDES="train.mode=sync searchers.count=0"`."""
 
-    _trl_notes: list[str] = PrivateAttr(default_factory=list)
+    _trl: TrlSettings = PrivateAttr(default_factory=TrlSettings)
+    _hub: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     def __init__(self, **settings: Any) -> None:
-        data, notes = _from_arguments(settings)
+        data, trl, hub = _from_arguments(settings)
         try:
             super().__init__(**data)
         except ValidationError as error:
-            raise ConfigError(first_error_line(error)) from None
-        self._trl_notes = notes
+            raise ConfigError(_error_line(error, trl)) from None
+        self._trl, self._hub = trl, hub
 
     @classmethod
     def from_overrides(cls, overrides: Sequence[str] = (), path: str | None = None) -> TBAConfig:
-        """Defaults, then the YAML file `path` (if any), then `a.b=value` strings (for the custom
-        task, which is what the trainer runs)."""
+        """Defaults (tba's), then the YAML file `path` (if any), then `a.b=value` strings (for the
+        custom task, which is what the trainer runs)."""
         config = load_config(path, ["task.name=custom", *overrides])
         return cls.model_validate(config.model_dump())
 
 
-def _from_arguments(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """tba sections as they are, TRL's arguments through `from_trl`: the data to validate, and
-    the notes to give when the run starts."""
+def _from_arguments(settings: dict[str, Any]) -> tuple[dict[str, Any], TrlSettings, dict]:
+    """tba sections as they are, TRL's arguments (on TRL's defaults) through `from_trl`, then
+    `TBA_OVERRIDES`: the data to validate, what TRL's names set, and the Hub upload's settings."""
     native = {name: value for name, value in settings.items()
-              if name in RunConfig.model_fields and name != "report_to"}  # fmt: skip
-    mapped, notes = from_trl({k: v for k, v in settings.items() if k not in native})
-    overrides = shlex.split(os.environ.get(OVERRIDES_VARIABLE, ""))
-    if overrides:
-        notes.append(f"{OVERRIDES_VARIABLE} sets {', '.join(overrides)}")
+              if name in RunConfig.model_fields and not _trl_report_to(name, value)}  # fmt: skip
+    trl = from_trl({k: v for k, v in settings.items() if k not in native})
     data = {name: value.model_dump() if isinstance(value, BaseModel) else value
             for name, value in native.items()}  # fmt: skip
-    for dotted, value in mapped.items():
-        *sections, leaf = dotted.split(".")
-        node = data
-        for section in sections:
-            node = node.setdefault(section, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{section} must be a mapping of settings")
-        if leaf in node and dotted.split(".")[0] in native:
-            raise ConfigError(f"{dotted} is set twice: by a TRL argument and in {sections[0]}")
-        node[leaf] = value
-    return apply_overrides(data, overrides), notes
+    hub: dict[str, Any] = {}
+    taken = set()
+    for dotted, value in trl.settings.items():
+        if dotted.startswith("hub."):
+            hub[dotted.removeprefix("hub.")] = value
+        elif _is_set(data, dotted):
+            if dotted not in trl.defaulted:
+                raise ConfigError(f"{dotted} is set twice: by {trl.sources[dotted]} and in "
+                                  f"{dotted.split('.')[0]}")  # fmt: skip
+        elif dotted not in trl.defaulted or not _set_beside(data, dotted):
+            taken.add(dotted)
+    for dotted in taken:
+        _set_nested(data, dotted, trl.settings[dotted])
+    data, overridden = with_env_overrides(data)
+    trl.sources = {key: source for key, source in trl.sources.items()
+                   if key in taken and key not in overridden}  # fmt: skip
+    return data, trl, hub
+
+
+def _trl_report_to(name: str, value: Any) -> bool:
+    """TRL's way of writing report_to ("none", "all", one name): read by `from_trl`."""
+    return name == "report_to" and not (isinstance(value, list)
+                                        and all(tracker in TRACKERS for tracker in value))
+
+
+def env_overrides() -> list[str]:
+    """The `key=value` settings of `TBA_OVERRIDES`."""
+    return shlex.split(os.environ.get(OVERRIDES_VARIABLE, ""))
+
+
+def with_env_overrides(data: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """`data` (nested settings) with `TBA_OVERRIDES` applied, and the keys it set: it wins over
+    the script, and a step limit there (`train.max_steps`) over the script's epochs, as
+    `max_steps` does in TRL."""
+    overrides = env_overrides()
+    data = apply_overrides(data, overrides)
+    keys = {override.partition("=")[0].strip() for override in overrides}
+    if "train.max_steps" in keys and "train.num_epochs" not in keys:
+        _set_nested(data, "train.num_epochs", None)
+        keys.add("train.num_epochs")
+    return data, keys
+
+
+def _is_set(data: dict[str, Any], dotted: str) -> bool:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _set_beside(data: dict[str, Any], dotted: str) -> bool:
+    """Whether the script set a setting that means something only together with `dotted`
+    (`TOGETHER`): then TRL's default for `dotted` stays out."""
+    return any(_is_set(data, other) for keys in TOGETHER if dotted in keys for other in keys)
+
+
+def _set_nested(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *sections, leaf = dotted.split(".")
+    node = data
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{section} must be a mapping of settings")
+    node[leaf] = value
+
+
+def _error_line(error: ValidationError, trl: TrlSettings) -> str:
+    """One line: the setting as the script wrote it (a TRL argument, when one set it), and what
+    is wrong."""
+    first = error.errors()[0]
+    source = trl.sources.get(".".join(str(part) for part in first["loc"]))
+    if source is None:
+        return first_error_line(error)
+    return f"{source}: {first['msg'].removeprefix('Value error, ')}"
 
 
 API_ADVICE = ("continue it with trainer.train(resume_from_checkpoint=True), replace it with "
               "trainer.train(overwrite=True), or choose another output_dir")
+
+
+class TrainResult(TrainOutput):
+    """What `TBATrainer.train()` returns: TRL's `TrainOutput` (`global_step`, `training_loss`,
+    `metrics` with `train_runtime`, `train_samples_per_second`, `train_steps_per_second`,
+    `train_loss` and `epoch`), whose `metrics` also hold tba's figures: eval.json's (`base` and
+    `final` held-out metrics, throughput, staleness, ...) and `run_dir`; `result["final"]` reads
+    them too."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.metrics[key] if isinstance(key, str) else super().__getitem__(key)
 
 
 class TBATrainer:
@@ -125,7 +206,7 @@ class TBATrainer:
 
     TRL's `reward_processing_classes`, `callbacks` and `optimizers` have no equivalent here: tba
     tokenizes reward models with their own tokenizers, has no callbacks, and builds its own
-    optimizer.
+    optimizer. `TBA_OVERRIDES` applies to `args` whichever way they were made.
     """
 
     def __init__(
@@ -144,9 +225,16 @@ class TBATrainer:
         eval_func: RewardFn | None = None,
     ) -> None:
         _refuse_unsupported(reward_processing_classes, callbacks, optimizers)
-        config = (args if args is not None else TBAConfig()).model_copy(deep=True)
-        self.notes = list(getattr(args, "_trl_notes", []))
-        config.output_dir = config.output_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        args = args if args is not None else TBAConfig()
+        self.trl: TrlSettings = getattr(args, "_trl", TrlSettings())
+        self.hub: dict[str, Any] = dict(getattr(args, "_hub", {}))
+        try:
+            config = RunConfig.model_validate(with_env_overrides(args.model_dump())[0])
+        except ValidationError as error:
+            raise ConfigError(f"{OVERRIDES_VARIABLE}: {first_error_line(error)}") from None
+        # Absolute: searcher processes of a Ray instance started elsewhere run in its directory.
+        output_dir = config.output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        config.output_dir = str(Path(output_dir).absolute())
         reward_funcs = _reward_list(reward_funcs)
         if train_dataset is None:
             raise ConfigError("TBATrainer needs a train_dataset: rows with a `prompt` column")
@@ -157,16 +245,14 @@ class TBATrainer:
             eval_rows, _ = prepare_rows(_rows(eval_dataset, "eval_dataset"), None, "eval_dataset")
         functions = reward_functions(reward_funcs, device=config.task.reward_device,
                                      batch_size=config.task.reward_batch_size)  # fmt: skip
-        weights = config.task.reward_weights
-        if weights is not None and len(weights) != len(functions):
-            raise ConfigError(f"reward_weights has {len(weights)} weights for {len(functions)} "
-                              "reward functions")  # fmt: skip
+        check_reward_weights(config.task.reward_weights, len(functions))
         self.task = custom_task(train_rows, eval_rows, functions, eval_func=eval_func,
                                 num_eval=config.task.num_eval, conversational=chat)  # fmt: skip
         self._save_policy: Callable[[Path], None] | None = None
         if isinstance(model, str | Path):
             policy = str(model)
         else:
+            _refuse_quantized(model)
             peft_config = peft_config or _adapters_of(model)
             tokenizer = processing_class or AutoTokenizer.from_pretrained(model.name_or_path)
             self._save_policy = partial(_save_base_model, model, tokenizer)
@@ -184,21 +270,44 @@ class TBATrainer:
         self.args = RunConfig.model_validate(data)
         self.run_dir: Path | None = None
 
-    def train(self, resume_from_checkpoint: bool = False, overwrite: bool = False) -> dict:
-        """Run to the end of `args.train` (steps, epochs or minutes). Returns `eval.json`
-        (metrics at the start and the end, throughput, staleness) with `run_dir` added.
-        `resume_from_checkpoint`: continue the run in `output_dir` from its newest checkpoint;
-        `overwrite`: replace a run that is there."""
+    def train(self, resume_from_checkpoint: bool | str = False,
+              overwrite: bool = True) -> TrainResult:  # fmt: skip
+        """Run to the end of `args.train` (steps, epochs or minutes); with `push_to_hub=True`,
+        upload the trained policy then. Returns TRL's `TrainOutput` with tba's figures
+        (`TrainResult`). As in TRL, a run already in `output_dir` is replaced, unless
+        `resume_from_checkpoint` (True, or a checkpoint of `output_dir`) continues it from its
+        newest checkpoint; `overwrite=False` refuses to replace it instead."""
         quiet_libraries()
-        for note in self.notes:
-            print(f"tba: {note}")
+        for line in self.settings_lines():
+            print(f"tba: {line}")
+        resume = bool(resume_from_checkpoint)
+        if isinstance(resume_from_checkpoint, str | Path):
+            _check_checkpoint_path(Path(resume_from_checkpoint), Path(self.args.output_dir))
         try:
-            self.run_dir = train(self.args, resume=resume_from_checkpoint, overwrite=overwrite,
+            self.run_dir = train(self.args, resume=resume, overwrite=overwrite and not resume,
                                  task=self.task, save_policy=self._save_policy)  # fmt: skip
         except RunExistsError as error:
             raise RunExistsError(error.path, API_ADVICE) from None
-        return {"run_dir": str(self.run_dir),
-                **json.loads((self.run_dir / "eval.json").read_text())}  # fmt: skip
+        result = train_result(self.run_dir, self.args, len(self.task.train_rows))
+        if self.hub.get("push"):
+            self.push_to_hub()
+        return result
+
+    def settings_lines(self) -> list[str]:
+        """What the run starts with, said once: the settings TRL's arguments and defaults set
+        (`*`: TRL's default), the arguments accepted without effect, and `TBA_OVERRIDES`."""
+        lines = []
+        if self.trl.sources:
+            values = self.args.model_dump()
+            shown = [f"{key}={_nested(values, key)!r}{'*' if key in self.trl.defaulted else ''}"
+                     for key in sorted(self.trl.sources)]  # fmt: skip
+            lines.append("from TRL's arguments (* TRL's default): " + ", ".join(shown))
+        if self.trl.ignored:
+            lines.append("without effect here (docs/trl.md says why): "
+                         + ", ".join(self.trl.ignored))  # fmt: skip
+        if overrides := env_overrides():
+            lines.append(f"{OVERRIDES_VARIABLE} sets {', '.join(overrides)}")
+        return lines
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics of the trained policy (RUN_DIR/final), scored as `tba eval`
@@ -216,6 +325,91 @@ class TBATrainer:
         target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir)
         shutil.copytree(final, target, dirs_exist_ok=True)
         return target
+
+    def push_to_hub(self, commit_message: str | None = None, blocking: bool = True,
+                    token: str | None = None, revision: str | None = None,
+                    **model_card: Any) -> str | None:  # fmt: skip
+        """Upload the trained policy (RUN_DIR/final, with a model card) to the Hub repository
+        `hub_model_id` (default: `output_dir`'s name, in your namespace), created if needed, as
+        TRL's `trainer.push_to_hub` does; `model_card` keywords (`dataset_name`, `tags`, ...)
+        go into its card. Returns the commit's URL; the upload always blocks (`blocking` is
+        TRL's keyword). When the upload fails (offline, no token, no network), one line says so
+        and returns None: the model stays where it is."""
+        final = Path(self.args.output_dir) / "final"
+        if not (final / "config.json").is_file():
+            raise FileNotFoundError(f"no trained policy in {final}: call trainer.train() first")
+        repo = self.hub.get("model_id") or Path(self.args.output_dir).resolve().name
+        try:
+            hub = HfApi(token=token or self.hub.get("token"))
+            repo_id = hub.create_repo(repo, private=self.hub.get("private"), exist_ok=True).repo_id
+            _write_model_card(final, repo_id, self.args, model_card)
+            commit = hub.upload_folder(
+                repo_id=repo_id, folder_path=final,
+                commit_message=commit_message or "tba: the trained policy",
+                revision=revision or self.hub.get("revision"),
+            )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - offline, no token, no network, a refused repo
+            print(f"tba: push_to_hub: {repo} was not uploaded ({first_line(error)}); the trained "
+                  f"policy stays in {final}")  # fmt: skip
+            return None
+        return str(getattr(commit, "commit_url", commit))
+
+
+def train_result(run_dir: Path, config: RunConfig, num_rows: int) -> TrainResult:
+    """TRL's figures of the run in `run_dir` (from its eval.json and metrics.jsonl), with tba's."""
+    summary = json.loads((run_dir / "eval.json").read_text())
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    steps, seconds = summary["steps"], max(summary["train_minutes"] * 60, 1e-9)
+    tc = config.train
+    completions = steps * tc.num_prompts * tc.group_size
+    # A step trains on group_size of the samples_per_prompt completions of each of its prompts.
+    prompts = completions / (tc.samples_per_prompt or tc.group_size)
+    training_loss = sum(losses) / len(losses) if losses else float("nan")
+    metrics = {
+        "train_runtime": seconds, "train_samples_per_second": completions / seconds,
+        "train_steps_per_second": steps / seconds, "train_loss": training_loss,
+        "epoch": prompts / num_rows, **summary, "run_dir": str(run_dir),
+    }  # fmt: skip
+    return TrainResult(steps, training_loss, metrics)
+
+
+def _check_checkpoint_path(path: Path, output_dir: Path) -> None:
+    """TRL's `resume_from_checkpoint=PATH`: tba resumes the run in `output_dir` from its newest
+    checkpoint, so PATH must be that run or one of its checkpoints."""
+    run = output_dir.resolve()
+    if path.resolve() != run and run not in path.resolve().parents:
+        raise ConfigError(f"resume_from_checkpoint={str(path)!r}: tba resumes the run in "
+                          f"output_dir ({output_dir}) from its newest checkpoint; pass True, or "
+                          "set output_dir to the run to resume")  # fmt: skip
+
+
+def _nested(values: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        values = values[part]
+    return values
+
+
+def _refuse_quantized(model: Any) -> None:
+    """A model loaded with a quantization_config: tba trains and samples full weights."""
+    if getattr(model, "is_quantized", False) or getattr(
+            getattr(model, "config", None), "quantization_config", None) is not None:  # fmt: skip
+        raise ConfigError("the model is quantized: tba trains and samples the policy "
+                          "unquantized (its weights go from the trainer to the searchers); load "
+                          "it without quantization_config, or use LoRA (peft_config) to save "
+                          "memory")  # fmt: skip
+
+
+def _write_model_card(final: Path, repo_id: str, config: RunConfig, card: dict[str, Any]) -> None:
+    """README.md of the uploaded policy: where it comes from, and the card's keywords."""
+    tags = ["tba", "trajectory-balance", *(card.pop("tags", None) or [])]
+    dataset = card.pop("dataset_name", None)
+    metadata = {"tags": tags, "datasets": [dataset] if dataset else None, **card}
+    lines = [f"{key}: {json.dumps(value)}" for key, value in metadata.items() if value is not None]
+    (final / "README.md").write_text("\n".join([
+        "---", *lines, "---", "", f"# {repo_id}", "",
+        f"Post-trained with tba ({config.train.loss} objective, {config.train.mode} mode) from "
+        f"`{config.policy.model}`.", "",
+    ]))
 
 
 def _refuse_unsupported(reward_processing_classes: Any, callbacks: Any, optimizers: tuple) -> None:
@@ -257,7 +451,12 @@ def _rows(dataset: Any, where: str) -> list[dict]:
     to_list = getattr(dataset, "to_list", None)  # a datasets.Dataset
     if callable(to_list):
         return to_list()
-    rows = list(dataset)
+    try:
+        rows = list(dataset)
+    except TypeError:  # not iterable: 42, a model, a function
+        raise ConfigError(f"{where}: a datasets.Dataset, a pandas DataFrame or a list of rows "
+                          f"with a `prompt` column, got a {type(dataset).__name__} "
+                          f"({dataset!r:.40})") from None  # fmt: skip
     wrong = next((row for row in rows if not isinstance(row, dict)), None)
     if wrong is not None:
         raise ConfigError(f"{where}: rows must be dicts with a `prompt` column, got a "

@@ -196,6 +196,12 @@ class ReplayBuffer:
         """Prompts the recent branch can draw a group of fresh samples from."""
         return sum(self._is_fresh(pid, group_size) for pid in self._fresh)
 
+    def fresh_groups(self, group_size: int) -> int:
+        """Groups of fresh samples the recent branch can draw: a prompt gives one per
+        `group_size` fresh samples (one, if all of its samples are fresh but fewer)."""
+        return sum(max(len(fresh) // group_size, int(self._is_fresh(pid, group_size)))
+                   for pid, fresh in self._fresh.items())  # fmt: skip
+
     # ----------------------------------------------------------------------------- storage
 
     def add(self, samples: Iterable[Sample]) -> int:

@@ -176,12 +176,16 @@ def _fsync_tree(path: Path) -> None:
 # Settings that define what is trained and on what: a checkpoint resumes only with these equal.
 # Everything else (steps, minutes, learning rate, searchers, ...) may change on resume.
 IDENTITY_KEYS = ("seed", "policy.model", "policy.dtype", "policy.chat_template", "lora", "task")
+# Settings under those that change how the run is measured or computed, not what it trains.
+FREE_KEYS = ("task.num_eval", "task.num_eval_pass_k", "task.reward_batch_size",
+             "task.reward_device")  # fmt: skip
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Raise CheckpointError when the checkpoint's config differs on an identity setting, or
-    when it was trained by one process and this run shards the trainer, or the other way round
-    (the two write their tensors differently; sharded runs resume on any number of ranks)."""
+    """Raise CheckpointError when the checkpoint's config differs on an identity setting (naming
+    the settings that differ, and only those), or when it was trained by one process and this
+    run shards the trainer, or the other way round (the two write their tensors differently;
+    sharded runs resume on any number of ranks)."""
     old_ranks = _get(saved, "trainer.world_size") or 1  # older runs had no such setting
     new_ranks = _get(current, "trainer.world_size") or 1
     if (old_ranks > 1) != (new_ranks > 1):
@@ -189,13 +193,25 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
             f"checkpoint {path} was written with trainer.world_size={old_ranks}, this run has "
             f"{new_ranks}: a sharded checkpoint resumes on 2 or more ranks, an unsharded one on 1"
         )
-    for key in IDENTITY_KEYS:
-        old, new = _get(saved, key), _get(current, key)
-        if old != new:
-            raise CheckpointError(
-                f"checkpoint {path} was written with {key}={old!r}, this run has {new!r}; "
-                f"a checkpoint resumes only the same {', '.join(IDENTITY_KEYS)}"
-            )
+    changed = [(key, old, new) for name in IDENTITY_KEYS
+               for key, old, new in _differences(name, _get(saved, name), _get(current, name))
+               if key not in FREE_KEYS]  # fmt: skip
+    if changed:
+        shown = ", ".join(f"{key}={old!r:.60} (this run: {new!r:.60})"
+                          for key, old, new in changed[:3])  # fmt: skip
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise CheckpointError(
+            f"checkpoint {path} was written with {shown}{more}; a checkpoint resumes only the "
+            f"same {', '.join(IDENTITY_KEYS)}: set them back, or start a new run"
+        )
+
+
+def _differences(key: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """The settings under `key` whose values differ, as (dotted key, old, new)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [difference for name in dict.fromkeys([*old, *new])
+                for difference in _differences(f"{key}.{name}", old.get(name), new.get(name))]
+    return [] if old == new else [(key, old, new)]
 
 
 def _get(config: dict[str, Any], dotted: str) -> Any:

@@ -20,12 +20,13 @@
 `tba eval` overrides apply on top of the run's config.yaml (`task.num_eval=1024`,
 `eval.batch_size=64`, ...): see `tba.offline_eval`.
 
-Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, a checkpoint
-that does not fit, a run directory without a run, snapshots or the metric asked for) prints one
-line naming the problem and exits with status 2; a run that cannot go on (a searcher that cannot
-be kept running, a reward function failing call after call, non-finite losses step after step),
-status 1; Ctrl-C stops after the current step, saves the run (checkpoint included) and exits with
-status 130.
+Bad input (unknown key, wrong type, out-of-range value, a device this machine lacks, missing or
+malformed file, a checkpoint that does not fit, a run directory without a run, snapshots or the
+metric asked for, an output directory that cannot be written or that another run is using)
+prints one line naming the problem and exits with status 2; a run that cannot go on (a searcher
+that cannot be kept running, a reward function failing call after call or on a whole held-out
+evaluation, non-finite losses step after step), status 1; Ctrl-C stops after the current step,
+saves the run (checkpoint included) and exits with status 130.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """The first argument is a config file when it names a YAML file or an existing path."""
-    if args and (args[0].endswith((".yaml", ".yml")) or Path(args[0]).exists()):
+    """The first argument is a config file when it names a YAML file or an existing path, or is
+    not a `key=value` setting (a file without an extension, which may be missing)."""
+    if args and (args[0].endswith((".yaml", ".yml")) or Path(args[0]).exists()
+                 or "=" not in args[0]):  # fmt: skip
         return args[0], args[1:]
     return None, args
 

@@ -7,13 +7,21 @@ allowed; the CLI prints that line and exits with status 2.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from tba.errors import ConfigError  # defined there; importable from here too
 from tba.objectives import BASELINE_KLS, OBJECTIVES, TRUST_REGIONS
@@ -25,6 +33,27 @@ class Section(BaseModel):
     # Every number finite: `.inf` as a learning rate trains one step, then fails somewhere deep.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True,
                               allow_inf_nan=False)  # fmt: skip
+
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def _device_name(device: str) -> str:
+    """A device torch knows, written as the settings take it; whether this machine has it is
+    checked as a run starts (`tba.policy.model.check_devices`)."""
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise ValueError("a device is auto (CUDA when present), cpu, cuda, cuda:N (the GPU of "
+                         "index N) or mps")  # fmt: skip
+    return device
+
+
+Device = Annotated[str, AfterValidator(_device_name)]
+
+
+def cuda_index(device: str) -> int | None:
+    """The GPU index a device setting names (`cuda`: 0), None for anything but CUDA."""
+    kind, _, index = device.partition(":")
+    return (int(index) if index else 0) if kind == "cuda" else None
 
 
 class PolicyConfig(Section):
@@ -43,7 +72,7 @@ class PolicyConfig(Section):
     chat_template: bool = Field(
         False, description="wrap every prompt in the tokenizer's chat template (instruct models)"
     )
-    device: str = Field(
+    device: Device = Field(
         "auto", description="trainer device: `auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`"
     )
     temperature: float = Field(
@@ -57,6 +86,14 @@ class PolicyConfig(Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch threads of the trainer (default: all cores; async on "
         "a local instance: the cores the searchers do not reserve)",
+    )
+    sampler: Literal["auto", "loop", "static", "compiled"] = Field(
+        "auto", description="how the built-in engine and held-out evaluation generate: `loop` "
+        "(a growing KV cache, a check with the host after every token), `static` (a static KV "
+        "cache and buffers of fixed shapes, the check every few tokens), `compiled` (`static` "
+        "with its decode step compiled by torch.compile, CUDA graphs on a GPU; the first "
+        "generation of each batch-size and length bucket compiles), `auto` (`compiled` on CUDA "
+        "where the model supports it, else `loop`: the faster on a CPU) (docs/engines.md)",
     )
 
 
@@ -163,7 +200,7 @@ class TaskConfig(Section):
         None, description="tldr: the judge of the held-out win rate against the reference "
         "summaries (default: reward_model)",
     )
-    reward_device: str = Field(
+    reward_device: Device = Field(
         "auto", description="device of the reward models in each process, as policy.device"
     )
     reward_batch_size: int = Field(32, ge=1, description="texts per reward-model forward pass")
@@ -206,6 +243,11 @@ class TaskConfig(Section):
             if wrong:
                 raise ValueError(f"task.{wrong[0]} does not apply to the custom task (its "
                                  "rewards come from task.reward_funcs)")  # fmt: skip
+            weights, functions = self.reward_weights, self.reward_funcs
+            if weights is not None and functions and len(weights) != len(functions):
+                raise ValueError(f"task.reward_weights has {len(weights)} weights for "
+                                 f"{len(functions)} reward functions (task.reward_funcs): give "
+                                 "one weight per function")  # fmt: skip
             if self.prompt_template is not None:
                 template_fields(self.prompt_template)
             return self
@@ -239,7 +281,8 @@ class TrainConfig(Section):
         "`sequence` or per `token` (TBA'), or `none` (the paper's plain TB)",
     )
     clip_eps: float = Field(
-        0.2, gt=0, description="ratio clip of tb's trust region, dr_grpo, grpo and proximal_rloo"
+        0.2, gt=0, description="ratio clip of tb's trust region, dr_grpo, grpo, proximal_rloo, "
+        "ppo and vineppo"
     )
     log_z: Literal["vargrad", "learned"] = Field(
         "vargrad", description="tb: log Z(x) estimated per group (VarGrad, needs K >= 2) or "
@@ -251,16 +294,59 @@ class TrainConfig(Section):
         "`current` policy's (every baseline then targets TB's distribution off-policy too, and "
         "RLOO's gradient is TB's) or the `behaviour` policy's, fixed at sampling (TRL's RLOO)",
     )
-    max_steps: int = Field(
-        1000, ge=1, description="optimizer steps (the run ends at the first limit reached)"
+    value_model: Literal["head", "critic"] = Field(
+        "head", description="ppo: the critic is a linear head on the policy's last hidden "
+        "state (the value loss also trains the policy's layers) or on a separate `critic` LM, "
+        "a trainable copy of the starting policy (trained at train.learning_rate)",
+    )
+    value_lr: float = Field(1e-3, gt=0, description="ppo: Adam learning rate of the value head")
+    gae_lambda: float = Field(
+        0.95, ge=0, le=1, description="ppo: lambda of GAE (gamma is 1; 1: Monte Carlo returns)"
+    )
+    value_clip: float = Field(
+        0.2, gt=0, description="ppo: the value loss's clip around the critic's values at the step"
+    )
+    value_coef: float = Field(0.1, ge=0, description="ppo: weight of the value loss")
+    vineppo_rollouts: int = Field(
+        9, ge=1, description="vineppo: continuations sampled per step prefix to estimate its value"
+    )
+    vineppo_max_states: int = Field(
+        25, ge=1, description="vineppo: step prefixes per response at most, the prompt included "
+        "(more steps: evenly spaced step ends kept)",
+    )
+    vineppo_delimiter: str = Field(
+        "\n", min_length=1, description="vineppo: a step ends with the token whose text holds this",
+    )
+    max_steps: int | None = Field(
+        None, ge=1, description="optimizer steps (null: no step limit); the run ends at the "
+        "first limit reached: max_steps (or num_epochs), max_minutes or Ctrl-C",
     )
     num_epochs: float | None = Field(
         None, gt=0, description="passes over the training prompts: when set, the step limit is "
         "num_epochs * (training prompts) / num_prompts instead of max_steps",
     )
-    max_minutes: float | None = Field(10.0, gt=0, description="wall-clock limit of training")
+    max_minutes: float | None = Field(
+        10.0, gt=0, description="wall-clock limit of training (null: none); what ends the "
+        "default job, on a CPU or a GPU alike",
+    )
     learning_rate: float = Field(5e-5, gt=0, description="Adam learning rate of the policy")
-    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warmup, the learning rate stays (`constant`) or "
+        "decays to 0 at the run's last step (`linear`, `cosine`; needs a step limit: max_steps "
+        "or num_epochs)",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="linear learning-rate warmup, in optimizer steps: step t of the "
+        "first N updates at (t + 1) / (N + 1) of the rate"
+    )
+    warmup_ratio: float = Field(
+        0.0, ge=0, lt=1, description="the warmup as a share of the run's step limit, where "
+        "warmup_steps is 0 (rounded up, as transformers does)",
+    )
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW's decoupled weight decay: each update also shrinks the "
+        "matrices (not biases, norm weights nor a learned log Z) by learning rate * this",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="gradient norm clip")
     num_prompts: int = Field(8, ge=1, description="B: prompts (groups) per batch")
     group_size: int = Field(16, ge=2, description="K: responses per prompt in a batch")
@@ -272,6 +358,13 @@ class TrainConfig(Section):
     beta_start_frac: float = Field(0.0, ge=0, le=1, description="anneal starts at this fraction")
     beta_end_frac: float = Field(1.0, ge=0, le=1, description="anneal ends at this fraction")
     sync_every: int = Field(1, ge=1, description="k: optimizer steps between weight syncs")
+    sync_generate: Literal["every_step", "when_needed"] = Field(
+        "every_step", description="sync: a generation (searchers.prompts_per_batch prompts) at "
+        "every step, or `when_needed`: only while the buffer holds fewer groups of fresh samples "
+        "than a batch takes (buffer.recent_prob * num_prompts), so that one generation serves "
+        "several steps and no step replays groups it was not asked to (TRL's "
+        "generation_batch_size)",
+    )
     initial_buffer_samples: int | None = Field(
         None, ge=1, description="async: the trainer starts once the buffer holds this many "
         "samples (default: four batches, 4*B*K)",
@@ -308,6 +401,16 @@ class TrainConfig(Section):
             )
         if self.beta_start_frac > self.beta_end_frac:
             raise ValueError("beta_start_frac must be <= beta_end_frac")
+        if self.max_steps is None and self.num_epochs is None and self.max_minutes is None:
+            raise ValueError("a run needs a limit: set train.max_minutes, train.max_steps or "
+                             "train.num_epochs")  # fmt: skip
+        if self.max_steps is None and self.num_epochs is None:
+            if self.lr_schedule != "constant":
+                raise ValueError(f"train.lr_schedule={self.lr_schedule} decays over the run's "
+                                 "steps: set train.max_steps or train.num_epochs")  # fmt: skip
+            if self.warmup_ratio > 0 and self.warmup_steps == 0:
+                raise ValueError("train.warmup_ratio is a share of the run's steps: set "
+                                 "train.max_steps or train.num_epochs, or train.warmup_steps")
         return self
 
 
@@ -387,7 +490,7 @@ class SearchersConfig(Section):
     )
     prompts_per_batch: int | None = Field(
         None, ge=1, description="prompts per generation batch of each searcher (async), or "
-        "generated per step in all (sync) (default: B)",
+        "per generation in all (sync: one a step, or as train.sync_generate says) (default: B)",
     )
     temperature: float | None = Field(
         None, gt=0, description="sampling temperature of the searchers, for exploration "
@@ -402,7 +505,7 @@ class SearchersConfig(Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads per searcher (default: num_cpus, at least 1)"
     )
-    device: str = Field("auto", description="searcher device, as policy.device")
+    device: Device = Field("auto", description="searcher device, as policy.device")
     max_restarts: int = Field(
         5, ge=0, description="restarts allowed per searcher before the run fails"
     )
@@ -468,7 +571,18 @@ class CheckpointConfig(Section):
 
 
 class EvalConfig(Section):
-    every: int = Field(25, ge=1, description="evaluate held-out greedy pass@1 every N steps")
+    """Held-out evaluation: at the start and the end of a run, and on the way every
+    `every_minutes` of training, or every `every` optimizer steps when that is set."""
+
+    every: int | None = Field(
+        None, ge=1, description="evaluate held-out greedy pass@1 every N optimizer steps "
+        "(instead of every_minutes)",
+    )
+    every_minutes: float | None = Field(
+        0.5, gt=0, description="evaluate held-out greedy pass@1 every N minutes of training, "
+        "when eval.every is null (a run of a given length is evaluated as often on a CPU as on "
+        "a GPU; null: only at the start and the end)",
+    )
     pass_k: int = Field(16, ge=1, description="k of the pass@k reported at start and end")
     batch_size: int = Field(
         256, ge=1, description="prompts generated at once in greedy pass@1 (pass@k: twice as "
@@ -498,11 +612,13 @@ class RunConfig(Section):
         False, description="write every new sample's prompt, completion, reward and reward "
         "parts to RUN_DIR/completions.jsonl",
     )
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         [], description="also log metrics to these (`tensorboard`: event files in "
         "RUN_DIR/tensorboard, needs `pip install tensorboard`; `wandb`: a Weights & Biases run "
         "named after the run directory, files in RUN_DIR/wandb, project `WANDB_PROJECT` or "
-        "`tba`, needs `pip install wandb`)",
+        "`tba`, needs `pip install wandb`; `trackio`: a Trackio run named after the run "
+        "directory, in Trackio's local store, project `TRACKIO_PROJECT` or `tba`, needs "
+        "`pip install trackio`)",
     )
 
     @model_validator(mode="after")
@@ -516,7 +632,35 @@ class RunConfig(Section):
         if ranks > self.train.num_prompts:
             raise ValueError(f"trainer.world_size={ranks} needs train.num_prompts >= {ranks}: "
                              "every rank trains on whole groups")  # fmt: skip
+        if self.train.loss == "ppo" and ranks > 1:
+            raise ValueError("train.loss=ppo trains on one rank (its critic is not sharded): set "
+                             "trainer.world_size=1")  # fmt: skip
+        if self.train.loss == "ppo" and self.train.value_model == "critic" and self.lora.r > 0:
+            raise ValueError("train.value_model=critic copies the whole policy; with LoRA "
+                             "(lora.r > 0) use train.value_model=head")  # fmt: skip
+        self._check_searcher_devices()
         return self
+
+    def _check_searcher_devices(self) -> None:
+        """Ray shows a searcher process only the GPUs it reserves (`searchers.num_gpus`), as
+        cuda:0 upwards: a CUDA device it is not given cannot be there, on any machine."""
+        sc = self.searchers
+        if sc.count == 0:
+            return
+        visible = math.ceil(sc.num_gpus)
+        for key, device in (("searchers.device", sc.device),
+                            ("task.reward_device", self.task.reward_device)):  # fmt: skip
+            index = cuda_index(device)
+            if index is None:
+                continue
+            if visible == 0:
+                raise ValueError(f"{key}={device} needs searchers.num_gpus > 0: Ray shows a "
+                                 "searcher process only the GPUs it reserves (or set "
+                                 f"{key}=cpu)")  # fmt: skip
+            if index >= visible:
+                seen = "cuda:0" if visible == 1 else f"cuda:0 to cuda:{visible - 1}"
+                raise ValueError(f"{key}={device}: a searcher sees only the GPUs it reserves "
+                                 f"(searchers.num_gpus={sc.num_gpus:g}), as {seen}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- loading
@@ -542,6 +686,7 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
         "train.learning_rate": 1e-3,
         "train.beta": 0.3,
         "train.max_steps": 2500,  # ~5 minutes on 2 CPU cores
+        "eval.every": 25,  # a run of a fixed number of steps: evaluations counted in steps
         # A learned log Z kept more modes and diversity than VarGrad at the same ASR (3 seeds).
         "train.log_z": "learned",
         # Most groups are reward-prioritised replays thousands of steps old: TB learns from them
@@ -565,6 +710,7 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
         "buffer.recent_prob": 0.5,
         "buffer.reward_weight": 1.0,
         "task.num_eval": 512,
+        "train.max_steps": 1000,  # 2.5 to 2.75 minutes on 2 CPU cores
         "eval.every": 100,  # each evaluation writes 1,024 summaries (greedy and sampled)
     },
 }
@@ -574,6 +720,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     """Defaults (the task's own where `TASK_PRESETS` has some), then the YAML file (if any), then
     `a.b=value` overrides (values parsed as YAML)."""
     data = apply_overrides(_read_yaml(Path(path)) if path is not None else {}, overrides)
+    _check_sections(data)
     task = data.get("task", {}).get("name") if isinstance(data.get("task"), dict) else None
     for key, value in TASK_PRESETS.get(task or TaskConfig().name, {}).items():
         if not _has_nested(data, key):
@@ -653,12 +800,36 @@ def _parse_override(text: str) -> tuple[str, Any]:
 def _set_nested(data: dict[str, Any], dotted_key: str, value: Any) -> None:
     *parents, leaf = dotted_key.split(".")
     node = data
-    for part in parents:
+    for number, part in enumerate(parents, start=1):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
+            section = ".".join(parents[:number])
+            if _section_fields(section):  # a section the file left empty, or gave a value
+                raise ConfigError(section_message(section, child))
             raise ConfigError(f"{dotted_key}: {part} is a value, not a section")
         node = child
     node[leaf] = value
+
+
+def _check_sections(
+    data: dict[str, Any], model: type[BaseModel] | None = None, prefix: str = ""
+) -> None:
+    """Every section given (`train`, `task.redteam`, ...) is a mapping of settings: one that is
+    a value or empty is named as the user wrote it, before defaults are filled in under it."""
+    for name, field in (model or RunConfig).model_fields.items():
+        if _is_section(field) and name in data:
+            if not isinstance(data[name], dict):
+                raise ConfigError(section_message(prefix + name, data[name]))
+            _check_sections(data[name], field.annotation, f"{prefix}{name}.")
+
+
+def section_message(key: str, value: Any) -> str:
+    """What to say of a section given something other than a mapping of settings."""
+    if value is None:
+        return (f"{key} is empty: a section needs settings under it ({key}.KEY: value), none "
+                "are given (all commented out?); remove the section or give it a setting")
+    return (f"{key} is a section of settings, not a value (got {value!r:.40}): set its keys, "
+            f"e.g. {key}.{next(iter(_section_fields(key)), 'KEY')}=...")
 
 
 def _has_nested(data: dict[str, Any], dotted_key: str) -> bool:
@@ -680,13 +851,18 @@ def first_error_line(error: ValidationError) -> str:
         return f"unknown config key {key!r}; allowed here: {', '.join(allowed)}"
     message = first["msg"].removeprefix("Value error, ")
     given = first.get("input")
+    if first["type"] == "model_type" and not isinstance(given, dict):  # a section, given a value
+        return section_message(key, given)
     shown = "" if isinstance(given, dict) else f" (got {given!r})"
     return f"invalid value for {key}: {message}{shown}"
 
 
 def _section_fields(dotted: str) -> list[str]:
+    """The settings of the section `dotted` ("" the top level); none if it is no section."""
     model: type[BaseModel] = RunConfig
     for part in filter(None, dotted.split(".")):
+        if part not in model.model_fields:
+            return []
         annotation = model.model_fields[part].annotation
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
@@ -748,6 +924,8 @@ def reference_page() -> str:
 
 def _reference_row(key: str, field) -> str:
     default = "null" if field.default is None else field.default
+    if isinstance(default, str):  # a newline shown as `\n`, not as a break in the table
+        default = default.encode("unicode_escape").decode()
     return f"| `{key}` | `{default}` | {field.description or ''} |"
 
 

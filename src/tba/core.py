@@ -57,8 +57,18 @@ class Sample:
     truncated: bool = False
     reward_parts: dict[str, float] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)  # logged by reward functions
+    # Scalars reward functions logged with `log_metric` in the call that scored this sample.
+    reward_metrics: dict[str, float] = field(default_factory=dict)
     # Per response token; the clipped-ratio baselines need them, TB does not.
     behaviour_token_logps: list[float] | None = None
+    # Per response token, for a per-token KL penalty (ppo, vineppo; None otherwise).
+    ref_token_logps: list[float] | None = None
+    # vineppo: the response split into steps (each step's end, exclusive; the last is the
+    # response's length), the Monte Carlo value of the state before each step, and the extra
+    # rollouts generated for those states that no earlier sample of the batch shared.
+    step_ends: list[int] | None = None
+    step_values: list[float] | None = None
+    rollouts: int = 0
     # (searcher_id, incarnation, seq) names a sample uniquely within a run: the trainer checks
     # that every searcher process hands over 0, 1, 2, ... exactly once.
     incarnation: int = 0

@@ -6,8 +6,8 @@ plain estimator with n = k; the unbiased estimator of Chen et al. equals it when
 The user's functions (a task's `correct_fn`, or its reward functions for `eval_reward`) are
 called as in training (`tba.rewards.scorer`: TRL's keyword contract, a timeout, faults counted).
 A completion a function could not score counts as wrong, `eval_unscored` says how many there
-were, and each fault goes to `settings.on_fault` (the run logs it, and stops once a function has
-failed on every completion of several evaluations in a row).
+were, and each fault goes to `settings.on_fault`: `EvalFaults` logs it, and stops the run (or
+`tba eval`) when a function failed on every completion of an evaluation, called twice.
 """
 
 from __future__ import annotations
@@ -20,10 +20,34 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tba.config import RunConfig
-from tba.core import RewardFn, Task
+from tba.core import EventLogger, RewardFn, Task
+from tba.errors import RewardError
 from tba.policy.sampling import generate_batched
 from tba.policy.tokenizer import encode_prompts
 from tba.rewards.scorer import RewardScorer, Scores, TrainerState
+
+
+class EvalFaults:
+    """Faults of the user's functions in held-out evaluation: each one an event. A function that
+    fails on some completions leaves them unscored (`eval_unscored`); one that fails on every
+    completion of an evaluation stops the run at once, with its reason: the evaluation measured
+    nothing, and a run without one would end with a metric of NaN and status 0."""
+
+    def __init__(self, log_event: EventLogger) -> None:
+        self.log_event = log_event
+        self.failed_all: dict[str, tuple[str, int]] = {}  # function -> (reason, completions)
+
+    def __call__(self, function: str, reason: str, failed: int, total: int) -> None:
+        self.log_event("eval_fault", function=function, reason=reason, failed=failed, of=total)
+        if failed == total:
+            self.failed_all.setdefault(function, (reason, total))
+
+    def evaluation_done(self) -> None:
+        """Raises `RewardError` when a function failed on every completion it was given."""
+        failed_all, self.failed_all = self.failed_all, {}
+        for function, (reason, total) in failed_all.items():
+            raise RewardError(f"held-out evaluation: {function!r} failed on all {total} "
+                              f"completions: {reason}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,7 @@ class EvalSettings:
     reward_weights: tuple[float, ...] | None = None
     step: int = 0  # optimizer steps taken by the evaluated policy
     max_steps: int = 0
+    sampler: str = "auto"  # `policy.sampler`: evaluation generates as the built-in engine does
     # on_fault(function, reason, completions it failed on, completions): a user function's fault
     on_fault: Callable[[str, str, int, int], None] | None = field(default=None, compare=False)
 
@@ -60,7 +85,8 @@ class EvalSettings:
             max_prompt_length=config.policy.max_prompt_length,
             reward_timeout_s=config.searchers.reward_timeout_s,
             reward_weights=tuple(weights) if weights is not None else None,
-            step=step, max_steps=config.train.max_steps, on_fault=on_fault,
+            step=step, max_steps=config.train.max_steps or 0, sampler=config.policy.sampler,
+            on_fault=on_fault,
         )  # fmt: skip
 
 
@@ -100,13 +126,14 @@ def score_completions(
     completion_ids = generate_batched(
         model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
         temperature=1.0 if greedy else settings.temperature, greedy=greedy, generator=generator,
-        batch_size=batch_size or settings.batch_size,
+        batch_size=batch_size or settings.batch_size, sampler=settings.sampler,
     )  # fmt: skip
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    # Faults go to `on_fault`: whether they stop the run is the run's call, over evaluations.
+    # Faults go to `on_fault`: whether they stop the run is the run's call. A call that fails
+    # on every completion is made once more: one failure then fails the whole evaluation.
     scorer = RewardScorer(reward_fns, weights=weights, timeout_s=settings.reward_timeout_s,
-                          max_failures=sys.maxsize)  # fmt: skip
+                          max_failures=sys.maxsize, call_again=True)  # fmt: skip
     state = TrainerState(settings.step, settings.max_steps)
     scores = scorer.score(prompts, completions, completion_ids, columns, state)
     for name, reason, failed in scores.faults:

@@ -16,12 +16,12 @@ goes and at exit; `train(..., resume=True)` continues the run in `output_dir` fr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,28 +41,30 @@ from tba.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from tba.config import RunConfig, TrainConfig, dump_config
-from tba.core import EventLogger, Task
+from tba.config import ConfigError, RunConfig, TrainConfig, dump_config
+from tba.core import Task
 from tba.errors import (
     CheckpointError,
-    RewardError,
     RunError,
     TrainingError,
     first_line,
     writing,
 )
-from tba.evaluation import EvalSettings
+from tba.evaluation import EvalFaults, EvalSettings
 from tba.objectives import BetaSchedule
+from tba.peak_memory import PeakMemory
 from tba.plots import plot_curves
 from tba.policy.engines import require_vllm
-from tba.policy.model import save_policy, snapshot_weights
+from tba.policy.model import check_devices, save_policy, snapshot_weights
 from tba.policy.tokenizer import load_tokenizer
+from tba.rewards.scorer import check_reward_weights
 from tba.rng import RandomState
 from tba.run_dir import (
     EventLog,
     MetricsLog,
     SampleLog,
     create_run_dir,
+    own_run_dir,
     read_metrics,
     save_snapshot,
     truncate_metrics,
@@ -75,34 +77,6 @@ from tba.tally import Tally
 from tba.tasks import load_task, resolve_policy
 from tba.tracking import Trackers, open_trackers, require_trackers
 from tba.trainer import Trainer
-
-
-class EvalFaults:
-    """Faults of the user's functions in held-out evaluation: each one an event; a function that
-    fails on every completion of `limit` evaluations in a row (`searchers.max_reward_failures`)
-    stops the run, as a reward function failing call after call does."""
-
-    def __init__(self, limit: int, log_event: EventLogger) -> None:
-        self.limit, self.log_event = limit, log_event
-        self.in_a_row: Counter[str] = Counter()
-        self.failed_now: dict[str, str] = {}  # function -> reason, in this evaluation
-
-    def __call__(self, function: str, reason: str, failed: int, total: int) -> None:
-        self.log_event("eval_fault", function=function, reason=reason, failed=failed, of=total)
-        if failed == total:
-            self.failed_now[function] = reason
-
-    def evaluation_done(self) -> None:
-        for function in set(self.in_a_row) | set(self.failed_now):
-            self.in_a_row[function] = self.in_a_row[function] + 1 if function in self.failed_now \
-                else 0  # fmt: skip
-            if self.in_a_row[function] >= self.limit:
-                raise RewardError(
-                    f"{function!r} failed on every held-out completion of its last {self.limit} "
-                    f"evaluations (searchers.max_reward_failures); last: "
-                    f"{self.failed_now[function]}"
-                )
-        self.failed_now.clear()
 
 
 def evaluate(
@@ -163,8 +137,17 @@ def train(
     newest checkpoint; `overwrite`: replace a run already there; `task`: train on this task
     instead of the one `config.task` describes (the Python API's own data and rewards);
     `save_policy(directory)`: writes the starting policy to `policy.model` once the run directory
-    exists (a model the Python API was given in memory, kept with the run)."""
-    console = console or Console(stderr=True)
+    exists (a model the Python API was given in memory, kept with the run). The run directory
+    is this process's alone until it returns (`tba.run_dir.own_run_dir`)."""
+    with contextlib.ExitStack() as owner:
+        return _train(config, console or Console(stderr=True), owner, resume=resume,
+                      overwrite=overwrite, task=task, save_policy=save_policy)  # fmt: skip
+
+
+def _train(
+    config: RunConfig, console: Console, owner: contextlib.ExitStack, *, resume: bool,
+    overwrite: bool, task: Task | None, save_policy: Callable[[Path], None] | None,
+) -> Path:  # fmt: skip
     threads = trainer_threads(config)
     if threads:
         torch.set_num_threads(threads)
@@ -173,20 +156,24 @@ def train(
     require_trackers(config.report_to)
     if config.searchers.engine == "vllm":
         require_vllm()
+    check_devices(config)
+    checkpoint = None
+    if resume:  # the directory is ours and the checkpoint fits before any task world is built
+        run_dir = owner.enter_context(own_run_dir(Path(config.output_dir)))
+        checkpoint = latest_checkpoint(run_dir, console.log)
+        check_compatible(checkpoint.state["config"], config.model_dump(), checkpoint.path)
     if task is None:
         task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
                          cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
     # So is the model, unless it comes with the run (`save_policy`) and is only written below.
     if save_policy is None:
         policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
-    checkpoint = None
-    if resume:
-        run_dir = Path(config.output_dir)
-        checkpoint = latest_checkpoint(run_dir, console.log)
-        check_compatible(checkpoint.state["config"], config.model_dump(), checkpoint.path)
+    check_reward_weights(config.task.reward_weights, len(task.reward_fns))
+    if checkpoint is not None:
+        check_unfinished(run_dir, checkpoint, config, len(task.train_rows))
         truncate_metrics(run_dir / "metrics.jsonl", checkpoint.step)
     else:
-        run_dir = create_run_dir(config.output_dir, overwrite, console.log)
+        run_dir = create_run_dir(config.output_dir, overwrite, console.log, owner=owner)
     if save_policy is not None:
         if not (Path(config.policy.model) / "config.json").exists():
             save_policy(Path(config.policy.model))
@@ -198,14 +185,16 @@ def train(
     )
     trackers = open_trackers(config, run_dir)
     events = EventLog(run_dir / "events.jsonl", console.log)
-    eval_faults = EvalFaults(config.searchers.max_reward_failures, events)
+    eval_faults = EvalFaults(events)
     console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
     saved_searchers = checkpoint.state["searchers"] if checkpoint else None
     try:
-        with open_trainer(config, policy_dir, tokenizer.pad_token_id, events) as trainer:
+        total_steps = step_limit(config.train, len(task.train_rows))
+        with open_trainer(config, policy_dir, tokenizer.pad_token_id, events,
+                          total_steps) as trainer:  # fmt: skip
             # Searcher processes start while the base policy is evaluated here.
             with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
-                                saved_searchers) as searchers:  # fmt: skip
+                                saved_searchers, trainer) as searchers:  # fmt: skip
                 if checkpoint is None:
                     base = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
                 else:
@@ -232,7 +221,8 @@ def train(
 
 
 class TrainLoop:
-    """Steps until `max_steps` (or `num_epochs`), `max_minutes` or Ctrl-C, checkpointing on the way.
+    """Steps until `max_steps` (or `num_epochs`), `max_minutes` or Ctrl-C, whichever comes first
+    (the default job: `max_minutes` alone), evaluating and checkpointing on the way.
 
     Everything the run carries from step to step is in `state_dict()`, so that a run resumed from
     a checkpoint continues with the same weights, buffer, sampler, counters and clock."""
@@ -276,10 +266,19 @@ class TrainLoop:
         minutes = config.eval.snapshot_minutes
         self.snapshot_every = minutes * 60 if minutes else None
         self.next_snapshot = self.snapshot_every
+        minutes = config.eval.every_minutes
+        # Steps, when given, replace minutes (the paper's configs count evaluations in steps).
+        self.eval_every = minutes * 60 if minutes and config.eval.every is None else None
+        self.next_eval = self.eval_every
         minutes = config.checkpoint.every_minutes
         self.checkpoint_every = minutes * 60 if minutes else None
         self.next_checkpoint = self.checkpoint_every
         self.tally = Tally()
+        # This process's memory: the trainer's, and the in-process searcher's when there is one.
+        # A sharded trainer's ranks are other processes.
+        self.memory = (PeakMemory(next(trainer.model.parameters()).device)
+                       if isinstance(trainer, Trainer) else None)  # fmt: skip
+        self.peak_memory_mib = 0.0
         self.last_eval = base
         self.elapsed = 0.0  # training seconds of the earlier processes of this run
         self.warmup_seconds = 0.0
@@ -312,7 +311,9 @@ class TrainLoop:
                                     status="filling the buffer")  # fmt: skip
             self.start = time.time() - self.elapsed
             self.warmup_seconds += self.feed.start(stop)
-            for step in range(first_step, self.max_steps + 1):
+            last = self.max_steps  # None: no step limit, the clock ends the run
+            steps = itertools.count(first_step) if last is None else range(first_step, last + 1)
+            for step in steps:
                 if time.time() - self.start >= self.max_seconds or stop.is_set():
                     break
                 record = self._step(step, stop)
@@ -351,13 +352,16 @@ class TrainLoop:
         tc, trainer = self.config.train, self.trainer
         step_start = time.time()
         elapsed = step_start - self.start
+        if self.memory is not None:
+            self.memory.reset()
         arrived = self.feed.before_step(step, stop)
         if arrived is None:
             return None
         record: dict = {"step": step, **arrived}
         batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.random.sampler)
         made_of = self.tally.batch(batch, trainer)  # before the step moves the trainer's clock
-        beta = self.beta_at(max((step - 1) / self.max_steps, elapsed / self.max_seconds))
+        done = (step - 1) / self.max_steps if self.max_steps else 0.0
+        beta = self.beta_at(max(done, elapsed / self.max_seconds))
         record |= {
             "beta": beta,
             "reward_mean": float(np.mean([s.reward for group in batch.groups for s in group])),
@@ -366,7 +370,7 @@ class TrainLoop:
             **made_of,
         }
         eval_seconds = 0.0
-        if step % self.config.eval.every == 0:
+        if self._eval_due(step):
             eval_start = time.time()
             self.last_eval = evaluate(trainer, self.tokenizer, self.task, self.config, self.faults,
                                       pass_k=False)  # fmt: skip
@@ -375,10 +379,26 @@ class TrainLoop:
         now = time.time()
         wait_frac = self.tally.time(wait=record["wait_seconds"], sync=record["sync_seconds"],
                                     eval=eval_seconds, total=now - step_start)  # fmt: skip
+        if self.memory is not None:
+            record["peak_memory_mib"] = self.memory.peak_mib()
+            self.peak_memory_mib = max(self.peak_memory_mib, record["peak_memory_mib"])
         return record | {
             "time": now - self.start, "step_seconds": now - step_start,
             "trainer_wait_frac": wait_frac,
         }  # fmt: skip
+
+    def _eval_due(self, step: int) -> bool:
+        """Every `eval.every` steps; or, without it, after the first step that ends once
+        `eval.every_minutes` have passed since the last evaluation was due."""
+        every = self.config.eval.every
+        if every is not None:
+            return step % every == 0
+        elapsed = time.time() - self.start
+        if self.next_eval is None or elapsed < self.next_eval:
+            return False
+        # The next one a whole interval on, however long this step was.
+        self.next_eval = (elapsed // self.eval_every + 1) * self.eval_every
+        return True
 
     def _after_step(self, step: int, record: dict) -> None:
         """Non-finite steps and periodic checkpoints."""
@@ -449,6 +469,8 @@ class TrainLoop:
                 "last_eval": self.last_eval,
                 "next_snapshot": self.next_snapshot,
                 "next_checkpoint": self.next_checkpoint,
+                "next_eval": self.next_eval,
+                "peak_memory_mib": self.peak_memory_mib,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "checkpoint_failures": self.checkpoint_failures,
             },
@@ -466,6 +488,8 @@ class TrainLoop:
         self.elapsed, self.warmup_seconds = loop["elapsed"], loop["warmup_seconds"]
         self.last_eval, self.next_snapshot = loop["last_eval"], loop["next_snapshot"]
         self.next_checkpoint = loop["next_checkpoint"]
+        self.next_eval = loop.get("next_eval", self.next_eval)  # older checkpoints have none
+        self.peak_memory_mib = loop.get("peak_memory_mib", 0.0)
         self.nonfinite_in_a_row = loop["nonfinite_in_a_row"]
         self.checkpoint_failures = loop["checkpoint_failures"]
 
@@ -485,6 +509,7 @@ class TrainLoop:
             **self.tally.summary(),
             "samples_generated": generated if generated is not None else counts["merged"],
             "samples_merged": counts["merged"],
+            "rollouts_generated": counts["rollouts"],  # VinePPO's, for its values
             "samples_per_s": counts["merged"] / max(self.train_seconds, 1e-9),
             "samples_discarded_in_flight": searchers.discarded_in_flight,
             "samples_duplicated": counts["duplicates"],
@@ -497,15 +522,46 @@ class TrainLoop:
             "nonfinite_steps_skipped": self.trainer.skipped_steps,
             "checkpoint_failures": self.checkpoint_failures,
             "searcher_restarts": searchers.restarts,
+            # The most one step held at once in this process (device memory on CUDA, RSS on a
+            # CPU); None with a sharded trainer.
+            "peak_memory_mib": self.peak_memory_mib if self.memory is not None else None,
         }
 
 
-def step_limit(train: TrainConfig, num_prompts: int) -> int:
-    """The run's last optimizer step: `train.max_steps`, or with `train.num_epochs` that many
-    passes over the `num_prompts` training prompts, `train.num_prompts` of them per step."""
+def check_unfinished(
+    run_dir: Path, checkpoint: Checkpoint, config: RunConfig, num_prompts: int
+) -> None:
+    """A run that ended at its limit, resumed with that same limit, would train nothing and be
+    evaluated again: one line saying which limit it reached and how to go further. A run that
+    stopped before it ended (interrupted, or failed after its last checkpoint) goes on."""
+    if not ((run_dir / "eval.json").is_file() and (run_dir / "final").is_dir()):
+        return
+    tc, step = config.train, checkpoint.step
+    last = step_limit(tc, num_prompts)
+    minutes = checkpoint.state["loop"]["elapsed"] / 60
+    if last is not None and step >= last:
+        key = "train.max_steps" if tc.num_epochs is None else "train.num_epochs"
+        value = tc.max_steps if tc.num_epochs is None else tc.num_epochs
+        reached = f"{key}={value:g} (step {step})"
+    elif tc.max_minutes is not None and minutes >= tc.max_minutes:
+        key, value = "train.max_minutes", tc.max_minutes
+        reached = f"{key}={value:g} ({minutes:.1f} minutes)"
+    else:
+        return
+    raise ConfigError(f"run {run_dir} already reached its limit, {reached}: to train it further, "
+                      f"resume with a higher {key}, e.g. `tba train --resume {run_dir} "
+                      f"{key}={2 * value:g}`")  # fmt: skip
+
+
+def step_limit(train: TrainConfig, num_prompts: int) -> int | None:
+    """The run's last optimizer step: `train.max_steps` (None: no step limit, the run ends by
+    time), or with `train.num_epochs` that many passes over the `num_prompts` training prompts,
+    `train.num_prompts` groups per step (a group is `group_size` of the `samples_per_prompt`
+    completions of its prompt)."""
     if train.num_epochs is None:
         return train.max_steps
-    return max(1, math.ceil(train.num_epochs * num_prompts / train.num_prompts))
+    per_step = train.num_prompts * train.group_size / (train.samples_per_prompt or train.group_size)
+    return max(1, math.ceil(train.num_epochs * num_prompts / per_step))
 
 
 def save_results(

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from safetensors.numpy import load_file
 
+from tba.checkpoint import list_checkpoints
 from tba.config import RunConfig, load_config
 from tba.core import Task
 from tba.errors import ConfigError
-from tba.evaluation import EvalSettings, evaluate
-from tba.policy.model import load_policy, resolve_device, set_weights
+from tba.evaluation import EvalFaults, EvalSettings, evaluate
+from tba.policy.model import check_device, load_policy, resolve_device, set_weights
 from tba.policy.tokenizer import load_tokenizer
 from tba.run_dir import read_metrics, samples_consumed
 from tba.tasks import load_task, resolve_policy
@@ -45,14 +46,14 @@ def score_final(
     """The held-out metrics of the run's final policy, at the step and minute the run ended."""
     config = run_config(run_dir, overrides)
     final = run_dir / "final"
+    records = read_metrics(run_dir / "metrics.jsonl")
     if not (final / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir}: no final policy (final/ not found: the run has not "
-                                "ended); score its snapshots instead")  # fmt: skip
-    records = read_metrics(run_dir / "metrics.jsonl")
+                                f"ended); {_without_final(run_dir, records)}")  # fmt: skip
     task = task or run_task(run_dir, config, log)
     model, tokenizer = load_scored_policy(final, config)
     settings = EvalSettings.from_config(config, full=True, step=records[-1]["step"])
-    metrics = evaluate(model, tokenizer, task, settings)
+    metrics = checked_evaluate(model, tokenizer, task, settings, log)
     last = records[-1]
     return point(last["time"] / 60, last["step"], samples_consumed(records)[-1], task, metrics)
 
@@ -74,12 +75,38 @@ def score_snapshots(
     base = resolve_policy(config.policy.model, config.pretrain, seed, log)
     model, tokenizer = load_scored_policy(base, config)
     settings = EvalSettings.from_config(config)
-    curve = [point(0.0, 0, 0, task, evaluate(model, tokenizer, task, settings))]
+    curve = [point(0.0, 0, 0, task, checked_evaluate(model, tokenizer, task, settings, log))]
     for record, samples in snapshots:
         set_weights(model, load_file(run_dir / record["snapshot"]))
-        metrics = evaluate(model, tokenizer, task, replace(settings, step=record["step"]))
+        metrics = checked_evaluate(model, tokenizer, task, replace(settings, step=record["step"]),
+                                   log)  # fmt: skip
         curve.append(point(record["time"] / 60, record["step"], samples, task, metrics))
     return curve
+
+
+def checked_evaluate(
+    model, tokenizer, task: Task, settings: EvalSettings, log: Callable[[str], None]
+) -> dict[str, float]:
+    """`evaluate`, as a run evaluates: its user functions' faults said, and one that failed on
+    every completion an error (`EvalFaults`), not a metric of NaN."""
+
+    def log_event(kind: str, **fields) -> None:
+        log(f"{kind}: " + ", ".join(f"{key}={value}" for key, value in fields.items()))
+
+    faults = EvalFaults(log_event)
+    metrics = evaluate(model, tokenizer, task, replace(settings, on_fault=faults))
+    faults.evaluation_done()
+    return metrics
+
+
+def _without_final(run_dir: Path, records: list[dict]) -> str:
+    """What can be done with a run that has no final policy: what it has."""
+    ways = []
+    if list_checkpoints(run_dir):
+        ways.append(f"finish it with `tba train --resume {run_dir}`")
+    if any("snapshot" in record for record in records):
+        ways.append(f"score its snapshots with `tba eval --snapshots {run_dir}`")
+    return " or ".join(ways) or "it stopped before its first checkpoint: start it again"
 
 
 def run_config(run_dir: Path, overrides: Sequence[str] = ()) -> RunConfig:
@@ -102,6 +129,7 @@ def run_task(run_dir: Path, config: RunConfig, log: Callable[[str], None]) -> Ta
 
 def load_scored_policy(path: Path, config: RunConfig):
     """A policy saved with its tokenizer, on the device and in the dtype the run trained it."""
+    check_device(config.policy.device, "policy.device")
     device = resolve_device(config.policy.device)
     model = load_policy(str(path), device, dtype=config.policy.dtype)
     return model, load_tokenizer(str(path), chat_template=config.policy.chat_template)

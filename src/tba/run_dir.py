@@ -26,21 +26,26 @@
 <run_dir>/eval_final.json  written by `tba eval`: the final policy scored after the run
 <run_dir>/eval_snapshots.json  written by `tba eval --snapshots`: the base policy and every
                            snapshot scored after the run (see tba.offline_eval)
+<run_dir>/.lock            while a process runs in the directory: its pid, host, start time and
+                           command (`own_run_dir`)
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
 from tba.errors import ConfigError, RunError
+from tba.locks import FileLock, Locked, describe_holder
 from tba.tracking import Trackers
 
 # What a run writes into its directory: what `--overwrite`, or a new start after a run that never
@@ -63,6 +68,19 @@ class RunExistsError(FileExistsError):
         self.path = path
 
 
+class RunBusyError(FileExistsError):
+    """Another process is running in the run directory: a second start would write over it."""
+
+    def __init__(self, path: Path, holder: dict) -> None:
+        super().__init__(f"run directory {path} is in use by {describe_holder(holder)}: "
+                         "wait for that run to end, or stop it, or choose another output_dir")
+        self.path = path
+
+
+# Held by the process that runs in the directory (`own_run_dir`); names it to a second start.
+LOCK_FILE = ".lock"
+
+
 def holds_run(path: Path) -> bool:
     """A run that can be resumed (a complete checkpoint) or that ended (eval.json, final/)."""
     checkpoints = path / "checkpoints"
@@ -70,20 +88,65 @@ def holds_run(path: Path) -> bool:
     return resumable or (path / "eval.json").exists() or (path / "final").is_dir()
 
 
+@contextmanager
+def own_run_dir(path: Path) -> Iterator[Path]:
+    """This process's exclusive hold on the existing run directory `path`, taken before anything
+    in it is read or changed and let go at exit (`tba.locks`: a process that died lets go too).
+    A directory another process runs in is `RunBusyError`; one that cannot be written,
+    `ConfigError`."""
+    lock = FileLock(path / LOCK_FILE)
+    try:
+        lock.acquire()
+    except Locked as error:
+        raise RunBusyError(path, error.holder) from None
+    except OSError as error:
+        raise unusable_output_dir(path, error) from None
+    try:
+        yield path
+    finally:
+        lock.release()
+
+
 def create_run_dir(
-    output_dir: str | None, overwrite: bool = False, log: Callable[[str], None] = print
-) -> Path:
-    """A new run directory. One that holds a run (`holds_run`) is refused unless `overwrite`; the
-    files of a run that stopped before its first checkpoint (a failed start) are replaced."""
+    output_dir: str | None, overwrite: bool = False, log: Callable[[str], None] = print,
+    *, owner: ExitStack,
+) -> Path:  # fmt: skip
+    """A new run directory, owned (`own_run_dir`) until `owner` closes. One that holds a run
+    (`holds_run`) is refused unless `overwrite`; the files of a run that stopped before its first
+    checkpoint (a failed start) are replaced."""
     path = Path(output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise unusable_output_dir(path, error) from None
+    owner.enter_context(own_run_dir(path))
     if holds_run(path) and not overwrite:
         raise RunExistsError(path)
     if (path / "config.yaml").exists() or (path / "metrics.jsonl").exists():
         if not holds_run(path):
             log(f"replacing the run in {path}: it stopped before its first checkpoint")
         remove_run(path)
-    path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def unusable_output_dir(path: Path, error: OSError) -> ConfigError:
+    """Why `path` cannot be a run directory, and what to do, in one line."""
+    advice = "choose another output_dir"
+    if path.exists() and not path.is_dir():
+        return ConfigError(f"output_dir {path} is a file, not a directory: {advice}, or move "
+                           "the file away")  # fmt: skip
+    blocking = next((parent for parent in path.parents if parent.is_file()), None)
+    if blocking is not None:
+        return ConfigError(f"output_dir {path} cannot be created: {blocking} is a file, not a "
+                           f"directory; {advice}")  # fmt: skip
+    if not path.exists() and error.errno == errno.ENOENT:
+        return ConfigError(f"output_dir {path} does not exist")
+    reason = error.strerror or str(error)
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        where = error.filename or path
+        return ConfigError(f"output_dir {path} cannot be created or written ({reason}: {where}): "
+                           f"{advice} where you can write, or fix its permissions")  # fmt: skip
+    return ConfigError(f"output_dir {path} cannot be used ({reason}): {advice}")
 
 
 def remove_run(path: Path) -> None:
@@ -224,11 +287,13 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def samples_consumed(records: list[dict]) -> list[int]:
-    """Fresh samples consumed up to each record: tba runs log the samples merged at each step
-    (`samples_in`), other trainers their running total (`samples`)."""
+    """Fresh samples generated up to each record: tba runs log the samples merged at each step
+    (`samples_in`) and VinePPO's rollouts for its values (`rollouts_in`), other trainers their
+    running total (`samples`)."""
     totals, samples = [], 0
     for record in records:
-        samples = record.get("samples", samples + record.get("samples_in", 0))
+        arrived = record.get("samples_in", 0) + record.get("rollouts_in", 0)
+        samples = record.get("samples", samples + arrived)
         totals.append(samples)
     return totals
 

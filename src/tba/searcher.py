@@ -3,7 +3,8 @@
 One `generate` call takes the next prompts of the searcher's own shuffled stream, samples S
 responses per prompt, scores them with the task's reward functions, computes the reference
 log-prob of each response (stored with the sample, so the trainer never runs the reference), and
-returns `Sample`s tagged with the weight version that produced them.
+returns `Sample`s tagged with the weight version that produced them. For `vineppo` it also
+estimates the value of every step prefix of its responses from rollouts of its own (`tba.vine`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +22,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tba.config import RunConfig
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
+from tba.objectives import TOKEN_KL_OBJECTIVES
 from tba.policy.engines import BuiltinEngine, Engine, VllmEngine, VllmSettings
-from tba.policy.logprobs import sequence_logprobs
+from tba.policy.logprobs import token_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
 from tba.policy.sampling import Generation
 from tba.policy.tokenizer import encode_prompts
 from tba.rewards.scorer import RewardScorer, Scores, TrainerState
+from tba.vine import ValueEstimator, VineSettings
 
 
 @dataclass
@@ -39,6 +43,7 @@ class SearchSettings:
     reward_timeout_s: float = 60.0
     max_reward_failures: int = 5
     engine: str = "builtin"  # or "vllm" (`tba.policy.engines`)
+    sampler: str = "auto"  # the built-in engine's path (`policy.sampler`)
     vllm: VllmSettings = VllmSettings()
     reward_weights: list[float] | None = None  # one per reward function (None: all 1)
     max_prompt_length: int | None = None  # longer prompts keep their last tokens
@@ -46,6 +51,8 @@ class SearchSettings:
     # Exploration: the searcher samples at this temperature instead (None: `temperature`). The
     # samples' behaviour log-probs are the sampler's, at this temperature.
     sample_temperature: float | None = None
+    token_ref_logps: bool = False  # keep each response token's reference log-prob (ppo, vineppo)
+    vine: VineSettings | None = None  # vineppo: Monte Carlo values of step prefixes
 
     @classmethod
     def from_config(cls, config: RunConfig) -> SearchSettings:
@@ -61,13 +68,28 @@ class SearchSettings:
             chat_template=config.policy.chat_template,
             sample_temperature=config.searchers.temperature,
             engine=config.searchers.engine,
+            sampler=config.policy.sampler,
             vllm=VllmSettings(**(config.searchers.vllm.model_dump() | {
                 "dtype": config.policy.dtype if config.searchers.vllm.dtype == "auto"
                 else config.searchers.vllm.dtype})),
             reward_weights=config.task.reward_weights,
             max_prompt_length=config.policy.max_prompt_length,
-            max_steps=tc.max_steps,
+            max_steps=tc.max_steps or 0,  # 0: no step limit, as in TRL's TrainerState
+            token_ref_logps=tc.loss in TOKEN_KL_OBJECTIVES,
+            vine=VineSettings(tc.vineppo_rollouts, tc.vineppo_max_states, tc.vineppo_delimiter)
+            if tc.loss == "vineppo" else None,
         )
+
+
+@contextlib.contextmanager
+def evaluation_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in evaluation mode inside, in the mode it was in after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 class PromptStream:
@@ -108,17 +130,22 @@ class Searcher:
         stream_seed: int | None = None,
         stream_taken: int = 0,
         model_dir: str | None = None,
+        shares_trainer_model: bool = False,
     ) -> None:
         """`seed` drives sampling; the prompt order comes from `stream_seed` (default: `seed`),
         continued from position `stream_taken`. Samples are numbered per `incarnation` (a
         restarted searcher process is a new one), so the trainer can tell a sample handed over
         twice or never from the others. `model_dir`: where `model` was loaded from (a vLLM
-        engine loads it from there)."""
+        engine loads it from there). `shares_trainer_model`: `model` is the trainer's own module
+        (in the trainer's process), which it samples with as it is when weights are published:
+        no copy of the weights, and its training mode and gradients are left to the trainer."""
         self.policy = model
+        self.shares_trainer_model = shares_trainer_model
         # With LoRA the reference is the base model with the adapters switched off: one copy of
         # the base weights in this process, not two.
         self.reference = None if is_lora(model) else frozen_copy(model)
-        self.policy.eval().requires_grad_(False)
+        if not shares_trainer_model:
+            self.policy.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.rows = rows
         self.scorer = RewardScorer(
@@ -148,11 +175,24 @@ class Searcher:
             self.engine = VllmEngine(model_dir, tokenizer.eos_token_id, seed, settings.vllm)
         else:
             self.engine = BuiltinEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                        seed)  # fmt: skip
+                                        seed, settings.sampler)  # fmt: skip
+        self.values = None
+        if settings.vine is not None:
+            self.values = ValueEstimator(
+                self.engine, tokenizer, settings.vine, max_new_tokens=settings.max_new_tokens,
+                temperature=settings.sample_temperature or settings.temperature,
+                score=self._rollout_rewards,
+            )  # fmt: skip
 
-    def set_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
-        """Adopt the weights of `version`, published at optimizer step `step`."""
-        set_weights(self.policy, weights)
+    def set_weights(
+        self, weights: dict[str, np.ndarray] | None, version: int, step: int
+    ) -> None:
+        """Adopt the weights of `version`, published at optimizer step `step`: a copy into the
+        searcher's own model, or (`weights` None) the trainer's module as it is now."""
+        if weights is not None:
+            set_weights(self.policy, weights)
+        elif not self.shares_trainer_model:
+            raise ValueError("a searcher with its own model needs the published weights")
         self.engine.load_weights(self.policy)
         self.version, self.step = version, step
 
@@ -162,13 +202,22 @@ class Searcher:
         s = self.settings
         row_ids = [i for i in self.stream.take(num_prompts) for _ in range(s.samples_per_prompt)]
         prompts = [self.prompt_ids[i] for i in row_ids]
-        out = self.engine.generate(prompts, max_new_tokens=s.max_new_tokens,
-                                   temperature=s.sample_temperature or s.temperature)
-        completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        scores, rewards, reward_dropped = self._score(row_ids, completions, out)
-        ref_logps = self._reference_logps(prompts, out.response_ids)
+        with evaluation_mode(self.policy):  # a shared trainer's module is in training mode
+            out = self.engine.generate(prompts, max_new_tokens=s.max_new_tokens,
+                                       temperature=s.sample_temperature or s.temperature)
+            completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+            scores, rewards, reward_dropped = self._score(row_ids, completions, out)
+            ref_logps, ref_token_logps = self._reference_logps(prompts, out.response_ids)
+            kept = [i for i in range(len(row_ids)) if math.isfinite(rewards[i])]
+            vine, vine_stats = {}, {}
+            if self.values is not None and kept:
+                estimates, vine_stats = self.values.estimate(
+                    [row_ids[i] for i in kept], [prompts[i] for i in kept],
+                    [out.response_ids[i] for i in kept],
+                )  # fmt: skip
+                vine = {i: e for i, e in zip(kept, estimates) if e is not None}
+                kept = [i for i in kept if i in vine]
         now = time.time()
-        kept = [i for i in range(len(row_ids)) if math.isfinite(rewards[i])]
         samples = [
             Sample(
                 prompt_id=row_ids[i],
@@ -185,19 +234,29 @@ class Searcher:
                 reward_parts={name: values[i] for name, values in scores.parts.items()
                               if values[i] is not None},
                 extras={name: values[i] for name, values in scores.extras.items()},
+                reward_metrics=scores.metrics,
                 incarnation=self.incarnation,
                 seq=self.num_generated + n,
             )
             for n, i in enumerate(kept)
         ]
+        for sample, i in zip(samples, kept):
+            if ref_token_logps is not None:
+                sample.ref_token_logps = ref_token_logps[i]
+            if i in vine:
+                sample.step_ends, sample.step_values = vine[i].ends, vine[i].values
+                sample.rollouts = vine[i].rollouts
         self.num_generated += len(samples)
         tokens = sum(len(r) for r in out.response_ids)
         elapsed = time.time() - start
+        # VinePPO's rollouts are generated samples too: their tokens count (and cost) alike.
+        generated_tokens = tokens + vine_stats.get("vine_tokens", 0)
         stats = {
+            **vine_stats,
             "gen_seconds": elapsed,
             "generated": len(row_ids),
-            "gen_tokens": tokens,
-            "gen_tokens_per_s": tokens / elapsed,
+            "gen_tokens": generated_tokens,
+            "gen_tokens_per_s": generated_tokens / elapsed,
             "truncated_frac": sum(out.truncated) / len(out.truncated),
             "dropped": len(row_ids) - len(samples),
             "reward_dropped": reward_dropped,
@@ -235,17 +294,35 @@ class Searcher:
         return faults
 
     @torch.no_grad()
-    def _reference_logps(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
-        """log pi_ref of each response: the frozen copy, or the base model under the adapters."""
+    def _reference_logps(
+        self, prompts: list[list[int]], responses: list[list[int]]
+    ) -> tuple[list[float], list[list[float]] | None]:
+        """log pi_ref of each response: the frozen copy, or the base model under the adapters;
+        and, when the settings ask for them, of each of its tokens."""
         if self.reference is not None:
             reference, adapters_off = self.reference, contextlib.nullcontext()
         else:
             reference, adapters_off = self.policy, self.policy.disable_adapter()
         with adapters_off:
-            return sequence_logprobs(
+            token_logps, mask = token_logprobs(
                 reference, prompts, responses, pad_id=self.tokenizer.pad_token_id,
                 temperature=self.settings.temperature,
-            ).tolist()  # fmt: skip
+            )  # fmt: skip
+        token_logps = token_logps * mask
+        sums = token_logps.sum(-1).tolist()
+        if not self.settings.token_ref_logps:
+            return sums, None
+        rows = token_logps.tolist()
+        return sums, [row[: len(response)] for row, response in zip(rows, responses)]
+
+    def _rollout_rewards(
+        self, row_ids: list[int], responses: list[list[int]], truncated: list[bool]
+    ) -> list[float]:
+        """The rewards of VinePPO's rollouts (whole responses), scored as samples are."""
+        completions = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        out = Generation(response_ids=responses, logps=[0.0] * len(responses),
+                         token_logps=[[] for _ in responses], truncated=truncated)
+        return self._score(row_ids, completions, out)[1]
 
     def _score(
         self, row_ids: list[int], completions: list[str], out: Generation

@@ -1,5 +1,6 @@
 """Experiment trackers (`report_to`): every number of a metric record, at the record's step, also
-goes to TensorBoard (event files in RUN_DIR/tensorboard) and/or Weights & Biases (RUN_DIR/wandb).
+goes to TensorBoard (event files in RUN_DIR/tensorboard), Weights & Biases (RUN_DIR/wandb) and/or
+Trackio (its local store).
 
 A training process opens its trackers once (`open_trackers`) and closes them when the run ends;
 `MetricsLog` hands them every record it writes to metrics.jsonl. The W&B run is named after the
@@ -71,6 +72,24 @@ class WandbTracker:
         self.run.finish()
 
 
+class TrackioTracker:
+    """One Trackio run, in Trackio's local store (`TRACKIO_DIR`), in the project
+    `TRACKIO_PROJECT` (default `tba`); `trackio show` opens its dashboard."""
+
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        import trackio
+
+        self.trackio = trackio
+        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "tba"),
+                     name=run_dir.resolve().name, config=config.model_dump(mode="json"))
+
+    def log(self, numbers: dict[str, float], step: int) -> None:
+        self.trackio.log(numbers, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
 class Trackers:
     """The trackers of one run, fed whole metric records."""
 
@@ -99,4 +118,6 @@ def open_trackers(config: RunConfig, run_dir: Path) -> Trackers:
         trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
     if "wandb" in config.report_to:
         trackers.append(WandbTracker(config, run_dir))
+    if "trackio" in config.report_to:
+        trackers.append(TrackioTracker(config, run_dir))
     return Trackers(trackers)

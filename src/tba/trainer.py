@@ -8,7 +8,10 @@ behaviour policy per `sequence` or per `token`, or `none`, the paper's plain TB)
 baselines of `tba.objectives.baselines`, which share everything else. `baseline_kl` picks the
 log-probs in
 the baselines' KL-shaped reward: the `current` policy's (then RLOO's gradient is TB's) or the
-`behaviour` policy's, fixed when the sample was drawn (as in TRL's RLOO).
+`behaviour` policy's, fixed when the sample was drawn (as in TRL's RLOO). `ppo` learns a critic
+(`tba.policy.values.Critic`: a value head on the policy's last hidden state, or a separate
+critic LM) with the policy; `vineppo` reads the Monte Carlo values of step prefixes that the
+searchers estimated (`tba.vine`). Both take per-token reference log-probs from the samples.
 
 Gradient clipping: every objective but GRPO is in reward units per sequence (on-policy, each
 sequence's log-prob gets gradient -A_i / N), so `max_grad_norm` clips them alike; GRPO's
@@ -17,8 +20,10 @@ clipping (`grad_norm`) and the factor the clip applied (`clip_factor`, 1 when it
 and how far the batch is from the policy that generated it: `ratio_out_frac`, the share of
 sequences whose ratio pi / pi_behaviour left [0.8, 1.2].
 
-The optimizer updates only trainable weights (with LoRA: the adapters), and bf16 weights through
-fp32 master copies (`tba.policy.precision`); the loss is computed in fp32.
+The optimizer (AdamW, with `weight_decay` on the matrices only) updates only trainable weights
+(with LoRA: the adapters), and bf16 weights through fp32 master copies (`tba.policy.precision`);
+the loss is computed in fp32. The learning rate warms up over `warmup_steps`, then stays or
+decays to 0 at the run's last step (`lr_schedule`, `tba.objectives.schedules.lr_factor`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,10 +41,21 @@ from transformers import PreTrainedModel
 
 from tba.config import RunConfig
 from tba.core import Sample
-from tba.objectives import BASELINE_KLS, OBJECTIVES, TRUST_REGIONS, LossInputs
-from tba.policy.logprobs import token_logprobs
+from tba.objectives import (
+    BASELINE_KLS,
+    OBJECTIVES,
+    TOKEN_KL_OBJECTIVES,
+    TRUST_REGIONS,
+    LossInputs,
+)
+from tba.objectives.ppo import step_index, vine_advantages
+from tba.objectives.schedules import lr_factor, warmup_steps_for
+from tba.policy.logprobs import token_logprobs_and_states
 from tba.policy.model import get_weights
 from tba.policy.precision import MasterWeights
+from tba.policy.values import Critic
+
+VALUE_MODELS = ("head", "critic")  # ppo: a value head on the policy, or a separate critic LM
 
 RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 1.2]
 
@@ -83,16 +100,36 @@ class LearnedLogZ(torch.nn.Module):
         return float(values.mean())
 
 
-def trainer_settings(config: RunConfig, pad_id: int) -> dict[str, Any]:
-    """`Trainer`'s keyword arguments (all but the model) as `config` sets them."""
+def trainer_settings(config: RunConfig, pad_id: int, total_steps: int | None) -> dict[str, Any]:
+    """`Trainer`'s keyword arguments (all but the model) as `config` sets them, for a run of
+    `total_steps` optimizer steps (None: no step limit)."""
     tc = config.train
     return {
         "pad_id": pad_id, "temperature": config.policy.temperature,
-        "learning_rate": tc.learning_rate, "warmup_steps": tc.warmup_steps,
+        "learning_rate": tc.learning_rate, "lr_schedule": tc.lr_schedule,
+        "warmup_steps": warmup_steps_for(total_steps, tc.warmup_steps, tc.warmup_ratio),
+        "total_steps": total_steps, "weight_decay": tc.weight_decay,
         "max_grad_norm": tc.max_grad_norm, "loss": tc.loss, "clip_eps": tc.clip_eps,
         "trust_region": tc.trust_region, "log_z": tc.log_z, "log_z_lr": tc.log_z_lr,
         "baseline_kl": tc.baseline_kl, "micro_batch_groups": tc.micro_batch_groups,
+        "value_model": tc.value_model, "value_lr": tc.value_lr, "gae_lambda": tc.gae_lambda,
+        "value_clip": tc.value_clip, "value_coef": tc.value_coef,
     }  # fmt: skip
+
+
+def decay_groups(params: list[torch.nn.Parameter], learning_rate: float,
+                 weight_decay: float) -> list[dict[str, Any]]:  # fmt: skip
+    """The policy's optimizer groups: with weight decay, the matrices (linear layers,
+    embeddings, LoRA's A and B) decay and the vectors (biases, norm weights) do not, as in
+    transformers' Trainer; without, one group."""
+    if weight_decay == 0:
+        return [{"params": params, "lr": learning_rate, "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "lr": learning_rate,
+         "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "lr": learning_rate, "weight_decay": 0.0},
+    ]  # fmt: skip
+    return [group for group in groups if group["params"]]
 
 
 class WeightVersions:
@@ -121,6 +158,11 @@ class WeightVersions:
         self.publish_steps.append(self.step_count)
         return self.version
 
+    def publish(self) -> tuple[int, int]:
+        """The weights as they are now as the next version, without a copy of them (for a
+        searcher that samples with the trainer's own module): (version, optimizer steps taken)."""
+        return self._publish(), self.step_count
+
     def versions_state(self) -> dict[str, Any]:
         return {"version": self.version, "publish_steps": self.publish_steps,
                 "step_count": self.step_count, "skipped_steps": self.skipped_steps}  # fmt: skip
@@ -147,6 +189,9 @@ class Trainer(WeightVersions):
         learning_rate: float,
         max_grad_norm: float,
         warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        total_steps: int | None = None,
+        weight_decay: float = 0.0,
         micro_batch_groups: int | None = None,
         loss: str = "tb",
         clip_eps: float = 0.2,
@@ -154,9 +199,15 @@ class Trainer(WeightVersions):
         log_z: str = "vargrad",
         log_z_lr: float = 1e-2,
         baseline_kl: str = "current",
+        value_model: str = "head",
+        value_lr: float = 1e-3,
+        gae_lambda: float = 0.95,
+        value_clip: float = 0.2,
+        value_coef: float = 0.1,
     ) -> None:
         for name, value, allowed in (("loss", loss, OBJECTIVES), ("trust_region", trust_region,
-                                     TRUST_REGIONS), ("baseline_kl", baseline_kl, BASELINE_KLS)):
+                                     TRUST_REGIONS), ("baseline_kl", baseline_kl, BASELINE_KLS),
+                                     ("value_model", value_model, VALUE_MODELS)):
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; available: {', '.join(allowed)}")
         self.loss = loss
@@ -164,6 +215,7 @@ class Trainer(WeightVersions):
         self.clip_eps = clip_eps
         self.trust_region = trust_region
         self.baseline_kl = baseline_kl
+        self.gae_lambda, self.value_clip, self.value_coef = gae_lambda, value_clip, value_coef
         self.model = model.train()
         self.pad_id = pad_id
         self.temperature = temperature
@@ -172,18 +224,29 @@ class Trainer(WeightVersions):
         self.gradient_scale = 1.0  # ranks whose gradients are averaged scale theirs up by N
         # Only the trainable weights (with LoRA: the adapters); bf16 ones through fp32 masters.
         self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad])
-        groups = [{"params": self.masters.params, "lr": learning_rate}]
+        groups = decay_groups(self.masters.params, learning_rate, weight_decay)
         # TB's log Z: VarGrad's per-group estimate, or learned with the policy at its own rate.
         learned = log_z == "learned" and loss == "tb"
         self.log_z_head = self.log_z_class(model) if learned else None
         if self.log_z_head is not None:
             groups.append({"params": list(self.log_z_head.parameters()), "lr": log_z_lr})
-        self.optimizer = torch.optim.Adam(groups)
+        # PPO's critic: its head at its own rate, a separate critic LM at the policy's.
+        self.critic = None
+        if loss == "ppo":
+            self.critic = Critic(model, separate=value_model == "critic", head_lr=value_lr,
+                                 trunk_lr=learning_rate)  # fmt: skip
+            groups += self.critic.groups
+        # Adam (AdamW: weight decay decoupled from the gradient's moments, and only where a
+        # group asks for it).
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
         # Adam's first updates move every weight by about the full learning rate whatever the
-        # gradient's signal-to-noise; a linear warmup makes those first moves smaller.
+        # gradient's signal-to-noise; a linear warmup makes those first moves smaller. Then the
+        # rate stays, or decays to 0 at the last step.
+        lr_factor(0, lr_schedule, warmup_steps, total_steps)  # an unknown schedule fails here
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
-        )
+            self.optimizer, partial(lr_factor, schedule=lr_schedule, warmup_steps=warmup_steps,
+                                    total_steps=total_steps),
+        )  # fmt: skip
         super().__init__()
 
     def weights(self) -> dict[str, np.ndarray]:
@@ -219,6 +282,8 @@ class Trainer(WeightVersions):
             # Weighted so that the accumulated gradient is that of the mean over the whole batch.
             (loss * (len(flat) / total * self.gradient_scale if counted else 0.0)).backward()
             self.masters.grads_to_masters()
+            if self.critic is not None:
+                self.critic.grads_to_masters()
             if not counted:
                 continue
             for key, value in {"loss": loss.item(), **stats}.items():
@@ -226,11 +291,19 @@ class Trainer(WeightVersions):
             sums["tokens"] += sum(len(s.prompt_ids) + len(s.response_ids) for s in flat)
         sums = self._sum_over_ranks(sums)
         grad_norm = self._clip_grad_norm()
+        critic = {}
+        if self.critic is not None:  # clipped apart: its gradient is not the policy's
+            critic["value_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                self.critic.parameters(), self.max_grad_norm))  # fmt: skip
         # One inf or NaN would poison Adam's moments for good: skip the update instead.
-        finite = math.isfinite(sums["loss"]) and math.isfinite(grad_norm)
+        finite = math.isfinite(sums["loss"]) and math.isfinite(grad_norm) and all(
+            math.isfinite(value) for value in critic.values())  # fmt: skip
+        learning_rate = self.optimizer.param_groups[0]["lr"]  # the policy's, by its schedule
         if finite:
             self.optimizer.step()
             self.masters.masters_to_model()
+            if self.critic is not None:
+                self.critic.masters_to_model()
             self.schedule.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -241,7 +314,9 @@ class Trainer(WeightVersions):
         return {
             **{key: value / total for key, value in sums.items()},
             "grad_norm": grad_norm,  # before clipping
+            **critic,
             "clip_factor": min(1.0, self.max_grad_norm / (grad_norm + 1e-6)),
+            "learning_rate": learning_rate,
             "skipped": float(not finite),
             "train_seconds": elapsed,
             "train_tokens_per_s": tokens / elapsed,
@@ -284,23 +359,31 @@ class Trainer(WeightVersions):
             for name, value in self.log_z_head.state_dict().items():
                 tensors[f"log_z.{name}"] = value
             state["log_z_ready"] = self.log_z_head.ready
+        if self.critic is not None:
+            for name, value in self.critic.state_tensors().items():
+                tensors[f"value.{name}"] = value
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         optimizer: dict[int, dict] = {}
         head: dict[str, torch.Tensor] = {}
+        critic: dict[str, torch.Tensor] = {}
         for key, value in [*state["optimizer"].items(), *state["optimizer_scalars"].items()]:
             index, name = key.split(".", 1)
             if index == "master":
                 self.masters.params[int(name)].data.copy_(value)
             elif index == "log_z":
                 head[name] = value
+            elif index == "value":
+                critic[name] = value
             else:
                 optimizer.setdefault(int(index), {})[name] = value
         if self.log_z_head is not None:
             self.log_z_head.load_state_dict(head)
             self.log_z_head.ready = state["log_z_ready"]
+        if self.critic is not None:
+            self.critic.load_state_tensors(critic)
         self.optimizer.load_state_dict({"state": optimizer, "param_groups": state["param_groups"]})
         self.schedule.load_state_dict(state["schedule"])
         self.load_versions_state(state)
@@ -311,7 +394,7 @@ class Trainer(WeightVersions):
         ref_logp = torch.tensor([s.ref_logp for s in flat], device=device)
         rewards = torch.tensor([s.reward for s in flat], device=device)
         group_ids = torch.tensor([s.prompt_id for s in flat], device=device)
-        token_logp, mask = token_logprobs(
+        token_logp, mask, states = token_logprobs_and_states(
             self.model, [s.prompt_ids for s in flat], [s.response_ids for s in flat],
             pad_id=self.pad_id, temperature=self.temperature,
         )  # fmt: skip
@@ -326,23 +409,50 @@ class Trainer(WeightVersions):
         log_z = None
         if self.log_z_head is not None:
             log_z = self.log_z_head(flat, logp.detach(), ref_logp, rewards, beta)
+        width = token_logp.shape[1]
+        values = ref_tokens = step_advantages = None
+        if self.loss in TOKEN_KL_OBJECTIVES:
+            ref_tokens = _padded([s.ref_token_logps for s in flat], width, device)
+        if self.critic is not None:
+            values = self.critic.values([s.prompt_ids for s in flat],
+                                        [s.response_ids for s in flat], pad_id=self.pad_id,
+                                        policy_states=states)  # fmt: skip
+        if self.loss == "vineppo":
+            step_advantages = _step_advantages(flat, mask, rewards)
         loss, stats = self.objective(
             LossInputs(
-                token_logp, mask, _behaviour_token_logps(flat, token_logp.shape[1], device),
+                token_logp, mask, _padded([s.behaviour_token_logps for s in flat], width, device),
                 rewards, ref_logp, group_ids, beta=beta, clip_eps=self.clip_eps,
                 trust_region=self.trust_region, log_z=log_z,
                 kl_logp=behaviour_logp if self.baseline_kl == "behaviour" else None,
+                ref_token_logp=ref_tokens, values=values, gae_lambda=self.gae_lambda,
+                value_clip=self.value_clip, value_coef=self.value_coef,
+                step_advantages=step_advantages,
             )
         )  # fmt: skip
         return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
 
 
-def _behaviour_token_logps(flat: list[Sample], width: int, device) -> torch.Tensor | None:
-    """(N, width) right-padded with zeros, like the policy's token log-probs; None unless every
-    sample has them (the objectives that need them say so)."""
-    if any(s.behaviour_token_logps is None for s in flat):
+def _padded(rows: list[list[float] | None], width: int, device) -> torch.Tensor | None:
+    """Per-token values of each sample (N, width), right-padded with zeros like the policy's
+    token log-probs; None unless every sample has them (the objectives that need them say so)."""
+    if any(row is None for row in rows):
         return None
-    padded = torch.zeros(len(flat), width)
-    for row, s in enumerate(flat):
-        padded[row, : len(s.behaviour_token_logps)] = torch.tensor(s.behaviour_token_logps)
+    padded = torch.zeros(len(rows), width)
+    for index, row in enumerate(rows):
+        padded[index, : len(row)] = torch.tensor(row)
     return padded.to(device)
+
+
+def _step_advantages(flat: list[Sample], mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """VinePPO's advantage of each response token (N, T), from the samples' step values."""
+    if any(s.step_values is None for s in flat):
+        raise ValueError("vineppo needs every sample's Monte Carlo step values")
+    device = mask.device
+    ends = [s.step_ends for s in flat]
+    longest = max(len(e) for e in ends)
+    values = torch.tensor([s.step_values + [0.0] * (longest - len(s.step_values)) for s in flat],
+                          device=device)  # fmt: skip
+    steps = step_index(ends, mask.shape[1], device)
+    counts = torch.tensor([len(e) for e in ends], device=device)
+    return vine_advantages(values, steps, counts, rewards, mask)[0]

@@ -1,11 +1,11 @@
-# A GRPO script in the shape of Hugging Face's popular cookbook "Post-training an LLM for
-# reasoning with GRPO in TRL": conversational prompts with a system prompt, a model wrapped with
-# LoRA by `get_peft_model`, two reward functions of TRL's `(completions, **kwargs)` shape, and a
-# GRPOConfig with the usual arguments. The model and the dataset are read from local files and the
-# accuracy check is a plain comparison instead of math_verify (the tests run offline);
-# push_to_hub is off for the same reason. One of a pair: grpo_cookbook_trl.py for TRL,
-# grpo_cookbook_tba.py the same script ported to tba, changing three lines: the import, the
-# trainer class and the config class.
+# Hugging Face's cookbook "Post training an LLM for reasoning with GRPO in TRL" as one script:
+# conversational prompts with a system prompt, a model wrapped with LoRA by `get_peft_model`, two
+# reward functions of TRL's `(completions, **kwargs)` shape, its GRPOConfig, then
+# `trainer.save_model` and `trainer.push_to_hub`. The model, the dataset and the output directory
+# are read from the environment, and the accuracy check is a plain comparison instead of
+# math_verify (the tests run offline: the upload then fails, in one line). One of a pair:
+# grpo_cookbook_trl.py for TRL, grpo_cookbook_tba.py the same script ported to tba by changing
+# three lines: the import, the trainer class and the config class.
 import os
 import re
 
@@ -14,11 +14,15 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 from tba import TBAConfig, TBATrainer
 
+dataset_id = "AI-MO/NuminaMath-TIR"
+train_dataset = load_dataset("json", data_files=os.environ["PORT_DATASET"], split="train")
+
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant "
     "solves it. The assistant first thinks about the reasoning process in the mind and then "
     "provides the user with the answer. The reasoning process and answer are enclosed within "
-    "<think> </think> and <answer> </answer> tags, respectively."
+    "<think> </think> and <answer> </answer> tags, respectively, i.e., "
+    "<think> reasoning process here </think><answer> answer here </answer>"
 )
 
 
@@ -31,11 +35,16 @@ def make_conversation(example):
     }
 
 
-train_dataset = load_dataset("json", data_files=os.environ["PORT_DATASET"], split="train")
 train_dataset = train_dataset.map(make_conversation)
-train_dataset = train_dataset.remove_columns(["problem"])
+train_dataset = train_dataset.remove_columns(["messages", "problem"])
 
-model = AutoModelForCausalLM.from_pretrained(os.environ["PORT_MODEL"], dtype="auto")
+model_id = os.environ["PORT_MODEL"]
+model = AutoModelForCausalLM.from_pretrained(
+    model_id,
+    torch_dtype="auto",
+    device_map="auto",
+)
+
 lora_config = LoraConfig(
     task_type="CAUSAL_LM",
     r=8,
@@ -43,6 +52,7 @@ lora_config = LoraConfig(
     lora_dropout=0.1,
     target_modules=["q_proj", "v_proj"],
 )
+
 model = get_peft_model(model, lora_config)
 
 
@@ -55,15 +65,16 @@ def format_reward(completions, **kwargs):
 
 
 def accuracy_reward(completions, **kwargs):
-    """Reward function that checks if the completion states the solution."""
+    """Reward function that checks if the completion is the same as the ground truth."""
     solutions = kwargs["solution"]
     completion_contents = [completion[0]["content"] for completion in completions]
-    return [
-        1.0 if solution in content else 0.0
-        for content, solution in zip(completion_contents, solutions)
-    ]
+    rewards = []
+    for content, solution in zip(completion_contents, solutions):
+        rewards.append(1.0 if solution.strip() in content else 0.0)
+    return rewards
 
 
+# Configure training arguments using GRPOConfig
 training_args = TBAConfig(
     output_dir=os.environ["PORT_OUTPUT_DIR"],
     learning_rate=1e-5,
@@ -71,22 +82,26 @@ training_args = TBAConfig(
     gradient_accumulation_steps=16,
     num_train_epochs=1,
     bf16=True,
-    # Parameters that control the data preprocessing
+    # Parameters that control de data preprocessing
     max_completion_length=64,  # default: 256
     num_generations=4,  # default: 8
     max_prompt_length=128,  # default: 512
     # Parameters related to reporting and saving
     report_to=["tensorboard"],
     logging_steps=10,
-    push_to_hub=False,
+    push_to_hub=True,
     save_strategy="steps",
     save_steps=10,
 )
+
 trainer = TBATrainer(
     model=model,
     reward_funcs=[format_reward, accuracy_reward],
     args=training_args,
     train_dataset=train_dataset,
 )
+
 trainer.train()
+
 trainer.save_model(training_args.output_dir)
+trainer.push_to_hub(dataset_name=dataset_id)

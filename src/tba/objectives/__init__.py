@@ -15,6 +15,11 @@ group-standardised advantage), :func:`rloo_loss` (REINFORCE with a leave-one-out
 :func:`proximal_rloo_loss` (RLOO with a clipped sequence-level importance ratio, for off-policy
 data) and :func:`online_dpo_loss` (DPO on the best-vs-worst response of each group).
 
+Value-based baselines (:mod:`tba.objectives.ppo`), with a per-token KL penalty in the same units:
+:func:`ppo_loss` (GAE on a learned critic's values, whitened advantages, clipped ratio and
+clipped value loss) and :func:`vineppo_loss` (the clipped ratio on step advantages from Monte
+Carlo values of step prefixes, :func:`vine_advantages`).
+
 ``OBJECTIVES`` (:mod:`tba.objectives.registry`) names every one of them behind one signature,
 ``OBJECTIVES[name](LossInputs(...)) -> (loss, stats)``: what ``train.loss`` chooses from.
 """
@@ -27,9 +32,11 @@ from tba.objectives.baselines import (
     rloo_loss,
 )
 from tba.objectives.common import group_mean
+from tba.objectives.ppo import gae, ppo_loss, vine_advantages, vineppo_loss
 from tba.objectives.registry import (
     BASELINE_KLS,
     OBJECTIVES,
+    TOKEN_KL_OBJECTIVES,
     TRUST_REGIONS,
     LossInputs,
     Objective,
@@ -40,17 +47,22 @@ from tba.objectives.tb import tb_loss, tb_residuals, tb_trust_region_loss
 __all__ = [
     "BASELINE_KLS",
     "OBJECTIVES",
+    "TOKEN_KL_OBJECTIVES",
     "TRUST_REGIONS",
     "BetaSchedule",
     "LossInputs",
     "Objective",
     "dr_grpo_loss",
+    "gae",
     "group_mean",
     "grpo_loss",
     "online_dpo_loss",
+    "ppo_loss",
     "proximal_rloo_loss",
     "rloo_loss",
     "tb_loss",
     "tb_residuals",
     "tb_trust_region_loss",
+    "vine_advantages",
+    "vineppo_loss",
 ]

@@ -1,4 +1,8 @@
-"""Turning lists of token ids into padded tensors."""
+"""Turning lists of token ids into padded tensors.
+
+They are built on the host and copied to the device without waiting for it (pinned memory, a
+non-blocking copy): the host can queue the next kernels while the GPU still works on the last.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device):
         ids[row, width - len(seq) :] = torch.tensor(seq)
         mask[row, width - len(seq) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids.to(device), mask.to(device), positions.to(device)
+    return to_device(ids, device), to_device(mask, device), to_device(positions, device)
 
 
 def unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -32,4 +36,11 @@ def right_pad(sequences: list[list[int]], pad_id: int, device: torch.device):
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
-    return ids.to(device), mask.to(device)
+    return to_device(ids, device), to_device(mask, device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` (on the host) on `device`, without a host synchronisation on CUDA."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

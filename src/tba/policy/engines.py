@@ -8,8 +8,9 @@ the sampling temperature T, over the whole vocabulary (no top-p, top-k or penalt
 quantity the trainer computes (`tba.policy.logprobs`).
 
 - `BuiltinEngine` (`searchers.engine=builtin`, the default): the KV-cache sampler of
-  `tba.policy.sampling` over the Hugging Face model the searcher holds. On a CPU and a tiny model
-  it is the faster one.
+  `tba.policy.sampling` over the Hugging Face model the searcher holds, by the loop or the static
+  path (`policy.sampler`; `auto`: the compiled static path on CUDA, the loop on a CPU). On a CPU
+  and a tiny model it is the faster engine.
 - `VllmEngine` (`searchers.engine=vllm`): a vLLM engine in the searcher's process, for GPUs:
   paged attention, continuous batching, CUDA graphs. vLLM returns its "processed" log-probs
   (`logprobs_mode="processed_logprobs"`: after temperature scaling, the log-softmax of the logits
@@ -30,7 +31,7 @@ from transformers import PreTrainedModel
 
 from tba.errors import ConfigError
 from tba.policy.model import policy_state_dict
-from tba.policy.sampling import Generation, generate
+from tba.policy.sampling import Generation, SamplerKind, sampler_for
 
 
 class Engine(Protocol):
@@ -51,19 +52,24 @@ class Engine(Protocol):
 
 
 class BuiltinEngine:
-    """The KV-cache sampler over the searcher's own model, with a seeded generator."""
+    """The KV-cache sampler over the searcher's own model, with a seeded generator (saved in
+    checkpoints: a resumed run draws the same samples, on either path)."""
 
-    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, seed: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, eos_id: int, pad_id: int, seed: int,
+        sampler: SamplerKind = "auto",
+    ) -> None:  # fmt: skip
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.sampler = sampler_for(model, sampler)
         self.generator = torch.Generator(device=next(model.parameters()).device)
         self.generator.manual_seed(seed)
 
     def generate(
         self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float
     ) -> Generation:
-        return generate(self.model, prompts, eos_id=self.eos_id, pad_id=self.pad_id,
-                        max_new_tokens=max_new_tokens, temperature=temperature,
-                        generator=self.generator)  # fmt: skip
+        return self.sampler.generate(prompts, eos_id=self.eos_id, pad_id=self.pad_id,
+                                     max_new_tokens=max_new_tokens, temperature=temperature,
+                                     generator=self.generator)  # fmt: skip
 
     def load_weights(self, model: PreTrainedModel) -> None:
         """Nothing to do: it samples with `model` itself."""

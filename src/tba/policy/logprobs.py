@@ -5,6 +5,14 @@
 
 over every response token, EOS included, with no length normalisation.
 
+The decoder's final hidden states go through the output layer in chunks
+(`tba.policy.chunked_logprobs`): no tensor of (tokens x vocabulary) logits exists at any time,
+which at a real vocabulary (150k tokens) is most of a step's memory. Only the real response tokens
+are scored, not the padding. A model whose logits are more than a linear map of its last hidden
+state (logit soft-capping or scaling), or whose output layer is sharded, wrapped or hooked, takes
+the plain computation (`reference_token_logprobs`: full logits, then log_softmax), which the
+tests also use as the reference.
+
 A batch usually holds K responses per prompt, so each distinct prompt runs through the model once
 and its KV cache is shared by all of its responses (gradients flow through the shared prompt).
 """
@@ -12,11 +20,17 @@ and its KV cache is shared by all of its responses (gradients flow through the s
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from tba.policy.batching import left_pad, right_pad, unique_prompts
+from tba.policy.batching import left_pad, right_pad, to_device, unique_prompts
+from tba.policy.chunked_logprobs import linear_logprobs
 from tba.policy.kv_cache import cache_keyword, returned_cache
-from tba.policy.model import is_checkpointing
+from tba.policy.model import is_checkpointing, is_lora
+
+# Config fields of models whose logits are not `output_layer(last hidden state)` (Gemma 2's
+# soft-capping, Cohere's and Granite's scaling): they take the plain computation.
+RESCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -56,17 +70,121 @@ def token_logprobs(
     pad_id: int,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token response log-probs (N, T), right-padded, float32, differentiable, and the 0/1
-    float mask (N, T) of real response tokens."""
-    # Checkpointed layers run without a KV cache (transformers drops it), so each response then
-    # runs with its own copy of its prompt.
-    share = not (model.training and is_checkpointing(model))
+    """Per-token response log-probs (N, T), right-padded with zeros, float32 at least,
+    differentiable, and the 0/1 float mask (N, T) of real response tokens."""
+    token_logps, mask, _ = token_logprobs_and_states(model, prompts, responses, pad_id=pad_id,
+                                                      temperature=temperature)  # fmt: skip
+    return token_logps, mask
+
+
+def token_logprobs_and_states(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`, and the decoder's last hidden states they were computed from (N, T, H):
+    what a value head on the policy reads (None where the plain computation ran)."""
+    head = output_layer(model)
+    if head is None:
+        token_logps, mask = reference_token_logprobs(model, prompts, responses, pad_id=pad_id,
+                                                     temperature=temperature)  # fmt: skip
+        return token_logps, mask, None
+    hidden, response_ids, response_mask = response_hidden(
+        model, prompts, responses, pad_id=pad_id, share_prompts=_shares_prompts(model)
+    )
+    # The flat positions of the real tokens, from the lengths the host already knows.
+    width = response_ids.size(1)
+    real = to_device(torch.tensor([row * width + t for row, r in enumerate(responses)
+                                   for t in range(len(r))]), hidden.device)  # fmt: skip
+    logps = linear_logprobs(hidden.flatten(0, 1)[real], head.weight, head.bias,
+                            response_ids.flatten()[real], temperature)  # fmt: skip
+    token_logps = logps.new_zeros(response_ids.numel()).index_copy(0, real, logps)
+    return token_logps.view_as(response_ids), response_mask.to(logps.dtype), hidden
+
+
+def next_token_logprobs(
+    model: PreTrainedModel, ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor
+) -> torch.Tensor:
+    """log pi(ids[i, t + 1] | ids[i, :t + 1]) at temperature 1 for every (i, t) where `where`
+    (N, L - 1, on the host) is set, flat (M,): what supervised fine-tuning trains on."""
+    device = next(model.parameters()).device
+    ids, attention_mask = ids.to(device), attention_mask.to(device)
+    picked = to_device(where.flatten().nonzero().squeeze(1), device)  # found on the host
+    targets = ids[:, 1:].flatten()[picked]
+    head = output_layer(model)
+    if head is None:
+        logits = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits
+        return gather_logprobs(logits[:, :-1].flatten(0, 1)[picked], targets)
+    hidden = decoder(model)(input_ids=ids, attention_mask=attention_mask,
+                            use_cache=False).last_hidden_state  # fmt: skip
+    return linear_logprobs(hidden[:, :-1].flatten(0, 1)[picked], head.weight, head.bias, targets)
+
+
+def reference_token_logprobs(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` from the full (N, T, V) logits: the plain computation."""
     logits, response_ids, response_mask = response_logits(
-        model, prompts, responses, pad_id=pad_id, share_prompts=share
+        model, prompts, responses, pad_id=pad_id, share_prompts=_shares_prompts(model)
     )
     token_logps = gather_logprobs(logits, response_ids, temperature)
     mask = response_mask.to(token_logps.dtype)
     return token_logps * mask, mask
+
+
+def output_layer(model: PreTrainedModel) -> torch.nn.Linear | None:
+    """The output layer, when the logits are exactly `output_layer(decoder's last hidden state)`
+    and it is a plain, unsharded linear layer; None otherwise (see the module docstring)."""
+    base = _unwrapped(model)
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
+        return None
+    if head._forward_hooks or head._forward_pre_hooks:  # they change what it computes
+        return None
+    if any(getattr(base.config, name, None) for name in RESCALED_LOGITS):
+        return None
+    has_decoder = isinstance(getattr(base, base.base_model_prefix, None), torch.nn.Module)
+    return head if has_decoder else None
+
+
+def decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The model without its output layer: input ids to final hidden states (adapters, if any,
+    stay active in it)."""
+    base = _unwrapped(model)
+    return getattr(base, base.base_model_prefix)
+
+
+def _unwrapped(model: PreTrainedModel) -> PreTrainedModel:
+    return model.get_base_model() if is_lora(model) else model
+
+
+def _shares_prompts(model: PreTrainedModel) -> bool:
+    """Checkpointed layers run without a KV cache (transformers drops it), so each response then
+    runs with its own copy of its prompt."""
+    return not (model.training and is_checkpointing(model))
+
+
+def response_hidden(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    pad_id: int,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoder's final hidden states that predict each response token (N, T, H), the
+    right-padded response ids (N, T) and the 0/1 mask of real response tokens (N, T), laid out
+    as in `response_logits`."""
+    return _predicting_states(decoder(model), lambda out: out.last_hidden_state, model, prompts,
+                              responses, pad_id, share_prompts)  # fmt: skip
 
 
 def response_logits(
@@ -82,51 +200,43 @@ def response_logits(
     responses right-padded, so that every response starts in the same column. `share_prompts`:
     each distinct prompt runs once and its KV cache serves all of its responses; otherwise each
     response runs with its prompt in front."""
+    return _predicting_states(model, lambda out: out.logits, model, prompts, responses, pad_id,
+                              share_prompts)  # fmt: skip
+
+
+def _predicting_states(net, read, model, prompts, responses, pad_id, share_prompts):
+    """`read(net(...))` at the positions that predict each response token (N, T, ...), the
+    right-padded response ids and their 0/1 mask. Shared prompts: every distinct prompt runs once
+    and its KV cache is copied to each of its responses."""
     if any(len(r) == 0 for r in responses):
         raise ValueError("every response needs at least one token")
     device = next(model.parameters()).device
     distinct, rows = unique_prompts(prompts)
     prompt_ids, prompt_mask, prompt_positions = left_pad(distinct, pad_id, device)
-    index = torch.tensor(rows, device=device)
+    index = to_device(torch.tensor(rows), device)  # the prompt of each response
     response_ids, response_mask = right_pad(responses, pad_id, device)
-    if share_prompts:
-        logits = _logits_sharing_prompts(
-            model, prompt_ids, prompt_mask, prompt_positions, index, response_ids, response_mask
-        )
-        return logits, response_ids, response_mask
-    ids = torch.cat([prompt_ids[index], response_ids], dim=1)
-    mask = torch.cat([prompt_mask[index], response_mask], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-    # The logits at the last prompt column predict the first response token, and so on.
-    start = prompt_ids.size(1) - 1
-    return out.logits[:, start : start + response_ids.size(1)], response_ids, response_mask
-
-
-def _logits_sharing_prompts(
-    model: PreTrainedModel,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    prompt_positions: torch.Tensor,
-    index: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> torch.Tensor:
-    """Logits predicting each response token (N, T, V): every distinct prompt runs once and its
-    KV cache is copied to each of its responses (`index`: the prompt of each response)."""
-    prompt_out = model(
-        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
-        use_cache=True,
-    )  # fmt: skip
+    if not share_prompts:
+        ids = torch.cat([prompt_ids[index], response_ids], dim=1)
+        mask = torch.cat([prompt_mask[index], response_mask], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        states = read(net(input_ids=ids, attention_mask=mask, position_ids=positions,
+                          use_cache=False))  # fmt: skip
+        # The last prompt column predicts the first response token, and so on.
+        start = prompt_ids.size(1) - 1
+        return states[:, start : start + response_ids.size(1)], response_ids, response_mask
+    prompt_out = net(input_ids=prompt_ids, attention_mask=prompt_mask,
+                     position_ids=prompt_positions, use_cache=True)  # fmt: skip
     cache = returned_cache(prompt_out)
     cache.batch_select_indices(index)  # each response gets its prompt's keys and values
-    offsets = torch.arange(response_ids.size(1), device=response_ids.device)
-    response_out = model(
+    offsets = torch.arange(response_ids.size(1), device=device)
+    response_out = net(
         input_ids=response_ids,
         attention_mask=torch.cat([prompt_mask[index], response_mask], dim=1),
         position_ids=prompt_positions[index, -1:] + 1 + offsets,
         use_cache=True,
-        **{cache_keyword(model): cache},
+        **{cache_keyword(net): cache},
     )
-    # The prompt's last logits predict the first response token; each response position the next.
-    return torch.cat([prompt_out.logits[index, -1:], response_out.logits[:, :-1]], dim=1)
+    # The prompt's last position predicts the first response token; each response position the
+    # next.
+    last_prompt = read(prompt_out)[index, -1:]
+    return torch.cat([last_prompt, read(response_out)[:, :-1]], dim=1), response_ids, response_mask

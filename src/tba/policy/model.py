@@ -19,7 +19,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from tba.config import LoraConfig
+from tba.config import LoraConfig, RunConfig, cuda_index
 from tba.errors import ConfigError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -30,6 +30,42 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def check_device(device: str, key: str) -> None:
+    """A device setting (`key`) names a device this machine has: one line saying what it has
+    instead of torch's traceback once the model is moved there."""
+    index = cuda_index(device)
+    if index is not None:
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError(f"{key}={device}: this machine has no CUDA device (torch sees "
+                              f"none); set {key}=cpu, or auto")  # fmt: skip
+        if index >= count:
+            have = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+            raise ConfigError(f"{key}={device}: this machine has {count} CUDA device(s), "
+                              f"{have}")  # fmt: skip
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{key}=mps: this machine has no MPS device; set {key}=cpu, or auto")
+
+
+def check_devices(config: RunConfig) -> None:
+    """Every device setting of a run that this machine must have, checked before anything
+    starts: the trainer's and the reward models', and the searchers' where they run here (in
+    this process, or in a local Ray instance, which has this machine's GPUs to give)."""
+    check_device(config.policy.device, "policy.device")
+    check_device(config.task.reward_device, "task.reward_device")
+    in_process = config.searchers.count == 0
+    if in_process:
+        check_device(config.searchers.device, "searchers.device")
+    ranked = config.trainer.world_size > 1  # the trainer's ranks are Ray actors too
+    asked = {"searchers.num_gpus": 0.0 if in_process else config.searchers.num_gpus,
+             "trainer.num_gpus": config.trainer.num_gpus if ranked else 0.0}  # fmt: skip
+    local_gpus = [key for key, gpus in asked.items() if gpus > 0 and config.ray.address is None]
+    if local_gpus and torch.cuda.device_count() == 0:
+        raise ConfigError(f"{local_gpus[0]} > 0, but this machine has no CUDA device for its "
+                          f"local Ray instance to give; set {local_gpus[0]}=0, or ray.address "
+                          "to a cluster with GPUs")  # fmt: skip
 
 
 def build_tiny_llama(

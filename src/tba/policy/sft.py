@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tba.policy.batching import right_pad
-from tba.policy.logprobs import gather_logprobs
+from tba.policy.logprobs import next_token_logprobs
 
 
 def right_pad_pairs(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
@@ -36,9 +36,7 @@ def right_pad_pairs(prompts: list[list[int]], responses: list[list[int]], pad_id
 def sft_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     """Mean negative log-likelihood of the response tokens (the prompt is context only)."""
     ids, attention, response_mask = right_pad_pairs(prompts, responses, pad_id)
-    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
-    nll = -gather_logprobs(logits, ids[:, 1:])
-    return (nll * response_mask).sum() / response_mask.sum()
+    return -next_token_logprobs(model, ids, attention, response_mask).mean()
 
 
 def supervise(

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
 
-from tba.errors import first_line
+from tba.errors import ConfigError, first_line
+from tba.locks import FileLock, Locked, describe_holder
 
 
 def model_dir(model: str, key: str = "policy.model") -> Path:
@@ -66,12 +67,28 @@ def built_once(
 ) -> Path:
     """`target`, built by `build(staging_dir)` unless its file `ready` (written last) is there.
     The build goes to a staging directory renamed into place: atomic, so a half-built model is
-    never mistaken for a cached one."""
+    never mistaken for a cached one. Processes that start together (several seeds on a fresh
+    machine) take turns under a lock: one builds, the others wait for it and use what it built."""
     if (target / ready).exists():
         return target
-    log(f"building {what} (once) into {target}")
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    build(staging)
-    staging.rename(target)
-    return target
+    lock = FileLock(target.with_name(target.name + ".lock"))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except Locked as error:
+        log(f"waiting for {describe_holder(error.holder)}, which is building {what} into {target}")
+        lock.acquire(wait=True)
+    except OSError as error:
+        raise ConfigError(f"cannot build {what} into {target} ({error.strerror or error}): set "
+                          "pretrain.cache_dir to a directory you can write to") from None
+    try:
+        if (target / ready).exists():  # built while we waited
+            return target
+        log(f"building {what} (once) into {target}")
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        build(staging)
+        staging.rename(target)
+        return target
+    finally:
+        lock.release()

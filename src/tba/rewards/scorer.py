@@ -3,20 +3,23 @@
 A reward function is called with keyword arguments, as TRL's `GRPOTrainer` calls it:
 
     fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
-       **columns) -> list[float | None]
+       log_metric=..., **columns) -> list[float | None]
 
 `columns` are the dataset's other columns, one value per completion. A function receives the
 keywords it names, or all of them with `**kwargs`; it may be `async def`. Where the prompt is a
 conversation, the completion comes as TRL gives it, `[{"role": "assistant", "content": text}]`
 (`as_reward_inputs`). `trainer_state.global_step` is the optimizer step at which the weights that
-wrote the completions were published (`max_steps` the run's limit). `log_extra(column, values)`
-keeps one value per completion with each sample as `extras[column]` (e.g. the red-teaming
-reward's `toxicity`).
+wrote the completions were published (`max_steps` the run's step limit, 0 when time ends the
+run). `log_extra(column, values)` keeps one value per completion with each sample as
+`extras[column]` (e.g. the red-teaming reward's `toxicity`); `log_metric(name, value)` a number
+for the whole call, averaged into the step's metrics under `name`, as TRL reports it.
 
 A function returns one value per completion: a finite number, or None for a completion it does
-not score (TRL's convention for functions that apply to some rows only). A completion's reward is
-the sum of the values it got, each times the function's weight (`task.reward_weights`, default
-1); a completion no function scores is dropped and counted (`unscored`).
+not score (TRL's convention for functions that apply to some rows only). What TRL accepts is
+read as numbers: a list or tuple of Python, numpy or torch numbers or booleans, a numpy array or
+a torch tensor (`as_values`). A completion's reward is the sum of the values it got, each times
+the function's weight (`task.reward_weights`, default 1); a completion no function scores is
+dropped and counted (`unscored`).
 
 When a call raises, does not return within `timeout_s`, returns something that is not a list of
 that length, or NaN, inf or a non-number for some completions, the completions it failed on are
@@ -34,11 +37,11 @@ import numbers
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tba.core import Prompt, RewardFn
-from tba.errors import RewardError
+from tba.errors import ConfigError, RewardError
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class TrainerState:
     wrote the completions were published."""
 
     global_step: int
-    max_steps: int
+    max_steps: int  # 0: no step limit (the run ends by time)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Scores:
     faults: list[tuple[str, str, int]]  # (function, reason, completions it failed on)
     extras: dict[str, list]  # columns logged with `log_extra`
     unscored: int  # completions that no function scored (dropped)
+    metrics: dict[str, float] = field(default_factory=dict)  # `log_metric`: each name's mean
 
 
 class _Timeout(Exception):
@@ -129,15 +133,39 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+def as_values(returned: Any) -> list | None:
+    """What a reward function returned, as a list of its values: a numpy array or a torch
+    tensor (on any device) becomes Python numbers; None where it is not a sequence of values."""
+    to_list = getattr(returned, "tolist", None)  # numpy arrays, torch tensors
+    if callable(to_list) and not isinstance(returned, list | tuple | str | bytes):
+        returned = to_list()
+    if isinstance(returned, str | bytes | dict) or not hasattr(returned, "__iter__"):
+        return None
+    return list(returned)
+
+
 def _as_reward(value: Any) -> float | None:
-    """A finite float (True counts as 1); None stays None (not scored); NaN for anything else
-    (NaN, inf, a string)."""
+    """A finite float (True counts as 1), from a Python, numpy or torch number (a one-element
+    array or tensor too); None stays None (not scored); NaN for anything else (NaN, inf, a
+    string)."""
     if value is None:
         return None
+    if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):
+        try:  # numpy scalars (numpy booleans are not `numbers.Real`), 0-d tensors
+            value = value.item()
+        except (ValueError, RuntimeError):  # an array of several values
+            return math.nan
     if not isinstance(value, numbers.Real):
         return math.nan
     value = float(value)
     return value if math.isfinite(value) else math.nan
+
+
+def check_reward_weights(weights: Sequence[float] | None, count: int) -> None:
+    """`task.reward_weights`, when given, has one weight per reward function."""
+    if weights is not None and len(weights) != count:
+        raise ConfigError(f"task.reward_weights has {len(weights)} weights for {count} reward "
+                          "functions: give one weight per function")  # fmt: skip
 
 
 def _failed(value: float | None) -> bool:
@@ -154,14 +182,16 @@ class RewardScorer:
         weights: Sequence[float] | None = None,
         timeout_s: float = 60.0,
         max_failures: int = 5,
+        call_again: bool = False,
     ) -> None:
+        """`call_again`: a function that fails on every completion of a call is called once more
+        (a cold start, a passing outage) before its values are taken as failed."""
         self.reward_fns = list(reward_fns)
+        check_reward_weights(weights, len(self.reward_fns))
         self.weights = list(weights) if weights is not None else [1.0] * len(self.reward_fns)
-        if len(self.weights) != len(self.reward_fns):
-            raise ValueError(f"{len(self.weights)} reward weights for {len(self.reward_fns)} "
-                             "reward functions")  # fmt: skip
         self.timeout_s = timeout_s
         self.max_failures = max_failures
+        self.call_again = call_again
         self._failed_in_a_row: Counter[str] = Counter()
 
     def score(
@@ -180,9 +210,16 @@ class RewardScorer:
             if len(values) == len(shaped):  # one per completion, or not at all
                 extras[column] = list(values)
 
+        logged: dict[str, list[float]] = {}
+
+        def log_metric(name: str, value: float) -> None:
+            value = _as_reward(value)  # a number, or nothing
+            if value is not None and not math.isnan(value):
+                logged.setdefault(str(name), []).append(value)
+
         arguments = {**columns, "prompts": prompts, "completions": shaped,
                      "completion_ids": completion_ids, "trainer_state": trainer_state,
-                     "log_extra": log_extra}  # fmt: skip
+                     "log_extra": log_extra, "log_metric": log_metric}  # fmt: skip
         parts: dict[str, list[float | None]] = {}
         faults: list[tuple[str, str, int]] = []
         for fn in self.reward_fns:
@@ -201,7 +238,8 @@ class RewardScorer:
                     f"(searchers.max_reward_failures); last: {reason}"
                 )
         totals, unscored = self._totals(list(parts.values()), len(shaped))
-        return Scores(totals, parts, faults, extras, unscored)
+        metrics = {name: math.fsum(values) / len(values) for name, values in logged.items()}
+        return Scores(totals, parts, faults, extras, unscored, metrics)
 
     def _totals(self, parts: list[list[float | None]], count: int) -> tuple[list[float], int]:
         """Per completion, the weighted sum of the values it got (exact: `math.fsum`); NaN where a
@@ -223,7 +261,17 @@ class RewardScorer:
     def _call(
         self, fn: RewardFn, arguments: dict[str, Any], count: int
     ) -> tuple[list[float | None], str | None]:
-        """One value per completion (None: not scored; NaN: unusable), and what went wrong."""
+        """One value per completion (None: not scored; NaN: unusable), and what went wrong
+        (with `call_again`, what went wrong at the first call when the second worked)."""
+        values, reason = self._call_once(fn, arguments, count)
+        if self.call_again and count and all(_failed(v) for v in values):
+            values, again = self._call_once(fn, arguments, count)
+            reason = again if again is not None else f"{reason} (then worked, called again)"
+        return values, reason
+
+    def _call_once(
+        self, fn: RewardFn, arguments: dict[str, Any], count: int
+    ) -> tuple[list[float | None], str | None]:
         unusable: list[float | None] = [math.nan] * count
         try:
             returned = call_with_timeout(fn, self.timeout_s, **arguments)
@@ -233,10 +281,10 @@ class RewardScorer:
             return unusable, f"raised {type(error).__name__}: {error}"
         if returned is None:
             return unusable, "returned None"
-        try:
-            returned = list(returned)
-        except TypeError:
+        values = as_values(returned)
+        if values is None:
             return unusable, f"returned a {type(returned).__name__}, not a list"
+        returned = values
         if len(returned) != count:
             return unusable, f"returned {len(returned)} values for {count} completions"
         values = [_as_reward(v) for v in returned]

@@ -103,8 +103,12 @@ class Feed(ABC):
         return (step - 1) % self.config.train.sync_every == 0
 
     def _sync_weights(self) -> None:
-        """The trainer's weights as a new version, offered to every searcher."""
-        self.searchers.offer_weights(*self.trainer.next_version())
+        """The trainer's weights as a new version, offered to every searcher: as a copy, unless
+        they sample with the trainer's own module."""
+        if self.searchers.needs_weights:
+            self.searchers.offer_weights(*self.trainer.next_version())
+        else:
+            self.searchers.offer_weights(None, *self.trainer.publish())
         self.sync_next = False
 
     def _merge(self, samples: list[Sample], stats: dict[str, float]) -> list[Sample]:
@@ -113,6 +117,7 @@ class Feed(ABC):
         for listener in self.on_merge if fresh else ():
             listener(fresh)
         self.counts["merged"] += len(fresh)
+        self.counts["rollouts"] += sum(s.rollouts for s in fresh)  # VinePPO's value estimates
         self.counts["capacity_evicted"] += self.buffer.add(fresh)
         self._evict_stale()
         self._note_reward_faults(stats)
@@ -138,7 +143,12 @@ class Feed(ABC):
     def _note_reward_faults(self, stats: dict[str, float]) -> None:
         """Count reward-function faults; log the first of each kind (function and reason)."""
         self.counts["reward_dropped"] += int(stats.get("reward_dropped", 0))
-        self.counts["reward_unscored"] += int(stats.get("reward_unscored", 0))
+        unscored = int(stats.get("reward_unscored", 0))
+        if unscored and not self.counts["reward_unscored"]:  # said once, as TRL warns
+            self.log_event("reward_unscored", completions=unscored,
+                           why="every reward function returned None for them: they are dropped; "
+                           "the count goes on in eval.json (reward_unscored)")  # fmt: skip
+        self.counts["reward_unscored"] += unscored
         for name, reason, dropped in self.searchers.take_reward_faults():
             kind = f"{name}: {reason}"
             new_kind = kind not in self.reward_faults
@@ -152,7 +162,13 @@ class SyncFeed(Feed):
     weights just published, every step. A generation that keeps no sample (its rewards failed,
     say) is followed by another one, on the next prompts: the step trains on samples of these
     weights. The searchers stop the run after `searchers.max_reward_failures` such generations
-    in a row."""
+    in a row.
+
+    With `train.sync_generate=when_needed`, a step generates only while the buffer holds fewer
+    groups of fresh samples than the batch takes (m*B): a generation larger than a step's batch
+    serves the next steps too (their samples are then a step or more behind), and one smaller
+    is repeated until the batch is fresh, so that no group is replayed unless `recent_prob`
+    asks for it (TRL's `generation_batch_size` and `num_iterations`)."""
 
     def before_step(self, step: int, stop: threading.Event) -> dict[str, float] | None:
         start = time.time()
@@ -161,18 +177,35 @@ class SyncFeed(Feed):
         synced = time.time()
         per_step = self.config.searchers.prompts_per_batch or self.config.train.num_prompts
         merged: list[Sample] = []
-        generations = 0
-        while not merged:
+        stats: dict[str, float] = {}
+        generations = stalled = 0
+        while self._wants_samples(merged, stalled):
             if stop.is_set():  # (a SIGTERM between two steps): no samples of these weights
                 return None
+            fresh = self.buffer.fresh_groups(self.config.train.group_size)
             samples, stats = self.searchers.generate(per_step)
-            merged = self._merge(samples, stats)
+            merged += self._merge(samples, stats)
             generations += 1
+            grew = self.buffer.fresh_groups(self.config.train.group_size) > fresh
+            stalled = 0 if grew else stalled + 1
         return stats | _arrivals(merged) | {
             "generations": generations,
             "sync_seconds": synced - start,
             "wait_seconds": time.time() - synced,
         }
+
+    def _wants_samples(self, merged: list[Sample], stalled: int) -> bool:
+        """`every_step`: until a generation kept a sample. `when_needed`: while the buffer holds
+        fewer groups of fresh samples than the batch takes (m*B, `buffer.recent_prob` m);
+        generations that add none (every sample a duplicate the buffer turns away) stop after
+        `searchers.max_reward_failures` in a row, and the batch fills from replay."""
+        tc = self.config.train
+        if tc.sync_generate == "every_step":
+            return not merged
+        if stalled >= self.config.searchers.max_reward_failures:
+            return False
+        wanted = max(1, math.ceil(self.buffer.recent_prob * tc.num_prompts))
+        return self.buffer.fresh_groups(tc.group_size) < wanted
 
 
 class AsyncFeed(Feed):
@@ -257,16 +290,23 @@ def _arrivals(samples: list[Sample]) -> dict[str, float]:
     """How many new samples reached the buffer for this step, their mean reward (what the
     searchers' current policy scores; the batch's own reward mixes in replayed samples), and the
     mean and standard deviation of each reward function's values (`rewards/NAME/mean`, `/std`,
-    as TRL names them), over the samples it scored."""
+    as TRL names them), over the samples it scored, and the means of what reward functions
+    logged with `log_metric`. With VinePPO, also the rollouts generated to estimate the values of
+    their steps (`rollouts_in`): generated samples too."""
     if not samples:
         return {"samples_in": 0}
     mean_reward = sum(s.reward for s in samples) / len(samples)
     arrivals = {"samples_in": len(samples), "reward_in": mean_reward}
+    if rollouts := sum(s.rollouts for s in samples):
+        arrivals["rollouts_in"] = rollouts
     names = dict.fromkeys(name for s in samples for name in s.reward_parts)
     for name in names:
         values = [s.reward_parts[name] for s in samples if name in s.reward_parts]
         arrivals[f"rewards/{name}/mean"] = float(np.mean(values))
         arrivals[f"rewards/{name}/std"] = float(np.std(values))
+    for name in dict.fromkeys(name for s in samples for name in s.reward_metrics):
+        arrivals[name] = float(np.mean([s.reward_metrics[name] for s in samples
+                                        if name in s.reward_metrics]))  # fmt: skip
     return arrivals
 
 

@@ -1,5 +1,6 @@
 """One searcher inside the trainer process: the synchronous mode without Ray
-(`searchers.count=0`)."""
+(`searchers.count=0`). Where it can, it samples with the trainer's own module
+(`tba.runtime.launch`): one copy of the policy on the device, and nothing copied at a sync."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ class InProcessSearchers(Searchers):
 
     def __init__(self, searcher: Searcher) -> None:
         self.searcher = searcher
+        # Sampling with the trainer's own module, it needs no copy of the weights.
+        self.needs_weights = not searcher.shares_trainer_model
 
-    def offer_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
+    def offer_weights(
+        self, weights: dict[str, np.ndarray] | None, version: int, step: int
+    ) -> None:
         self.searcher.set_weights(weights, version, step)
 
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:

@@ -28,23 +28,35 @@ from tba.trainer import Trainer, trainer_settings
 
 @contextmanager
 def open_trainer(
-    config: RunConfig, policy_dir: Path, pad_id: int, log_event: EventLogger
-) -> Iterator[Trainer | RankedTrainer]:
-    """The run's trainer, at step 0 (a checkpoint is loaded into it by the loop); with several
-    ranks, they are stopped on exit."""
+    config: RunConfig, policy_dir: Path, pad_id: int, log_event: EventLogger,
+    total_steps: int | None,
+) -> Iterator[Trainer | RankedTrainer]:  # fmt: skip
+    """The run's trainer, at step 0 (a checkpoint is loaded into it by the loop), for a run of
+    `total_steps` optimizer steps (its learning-rate schedule); with several ranks, they are
+    stopped on exit."""
     if config.trainer.world_size == 1:
         model = load_policy(
             str(policy_dir), resolve_device(config.policy.device), dtype=config.policy.dtype,
             lora=config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
         )  # fmt: skip
-        yield Trainer(model, **trainer_settings(config, pad_id))
+        yield Trainer(model, **trainer_settings(config, pad_id, total_steps))
         return
     with ray_session(config, lambda text: log_event("ray", message=text)):
-        trainer = RankedTrainer(config, policy_dir, pad_id, log_event)
+        trainer = RankedTrainer(config, policy_dir, pad_id, log_event, total_steps)
         try:
             yield trainer
         finally:
             trainer.close()
+
+
+def shares_trainer_model(config: RunConfig, trainer: Trainer | RankedTrainer) -> bool:
+    """Whether the in-process searcher can sample with the trainer's own module: the trainer is
+    in this process, on the searcher's device, and every generation comes right after a publish
+    (`train.sync_every=1`), so that the module then holds exactly the published version."""
+    if not isinstance(trainer, Trainer) or config.train.sync_every != 1:
+        return False
+    device = next(trainer.model.parameters()).device
+    return resolve_device(config.searchers.device) == device
 
 
 @contextmanager
@@ -56,16 +68,22 @@ def open_searchers(
     log_event: EventLogger,
     run_dir: Path,
     state: dict[str, Any] | None = None,
+    trainer: Trainer | RankedTrainer | None = None,
 ) -> Iterator[Searchers]:
     """The run's searchers, continuing a checkpoint's `state` (they take it before their first
     generation, so their processes start from it); with Ray, the Ray instance lives exactly as
-    long as they do."""
+    long as they do. A searcher in this process samples with `trainer`'s own module where that
+    gives the same samples (`shares_trainer_model`), else with its own copy."""
     if config.searchers.count == 0:
-        device = resolve_device(config.searchers.device)
+        shared = trainer is not None and shares_trainer_model(config, trainer)
+        model = trainer.model if shared else load_policy(
+            str(policy_dir), resolve_device(config.searchers.device), dtype=config.policy.dtype,
+            lora=config.lora,
+        )  # fmt: skip
         searcher = Searcher(
-            load_policy(str(policy_dir), device, dtype=config.policy.dtype, lora=config.lora),
-            tokenizer, task.train_rows, task.reward_fns,
+            model, tokenizer, task.train_rows, task.reward_fns,
             SearchSettings.from_config(config), seed=config.seed, model_dir=str(policy_dir),
+            shares_trainer_model=shared,
         )  # fmt: skip
         local = InProcessSearchers(searcher)
         if state:

@@ -18,11 +18,15 @@ class Searchers(ABC):
 
     restarts: int = 0  # searcher processes replaced after they died
     discarded_in_flight: int = 0  # samples made but never handed over: work lost, not data
+    needs_weights: bool = True  # False: they sample with the trainer's own module
 
     @abstractmethod
-    def offer_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
+    def offer_weights(
+        self, weights: dict[str, np.ndarray] | None, version: int, step: int
+    ) -> None:
         """Make these the weights of the next generations: `version`, published at optimizer
-        step `step`."""
+        step `step` (`weights` None when they do not `needs_weights`: the trainer's module as it
+        is now)."""
 
     @abstractmethod
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:

@@ -112,7 +112,7 @@ class RankedTrainer(WeightVersions):
     ranks."""
 
     def __init__(self, config: RunConfig, policy_dir: Path, pad_id: int,
-                 log_event: EventLogger) -> None:  # fmt: skip
+                 log_event: EventLogger, total_steps: int | None) -> None:  # fmt: skip
         import ray  # a run with several ranks runs Ray, started by `ray_session` before this
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -145,7 +145,7 @@ class RankedTrainer(WeightVersions):
         ]  # fmt: skip
         host, port = self._wait([self.ranks[0].address.remote()], "address",
                                 config.ray.start_timeout_s)[0]  # fmt: skip
-        settings = trainer_settings(config, pad_id)
+        settings = trainer_settings(config, pad_id, total_steps)
         started = self._call("start", host, port, str(policy_dir), settings, config.policy.dtype,
                              config.train.gradient_checkpointing, self.timeout,
                              timeout=config.ray.start_timeout_s)  # fmt: skip

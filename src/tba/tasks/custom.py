@@ -93,9 +93,13 @@ def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tupl
         if isinstance(prompt, list):
             _check_conversation(prompt, f"{where}: row {number}")
             conversational = True
-        elif not isinstance(prompt, str):
+        elif prompt is None:
             raise DatasetError(f"{where}: row {number} has no text `prompt` column "
                                f"(it has: {', '.join(row) or 'none'})")  # fmt: skip
+        elif not isinstance(prompt, str):
+            raise DatasetError(f"{where}: row {number}'s `prompt` is a {type(prompt).__name__} "
+                               f"({prompt!r:.40}), not text or a conversation (a list of "
+                               "messages)")  # fmt: skip
         prepared.append(row)
     if not prepared:
         raise DatasetError(f"{where} has no rows")

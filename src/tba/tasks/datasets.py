@@ -85,6 +85,8 @@ def _read_file(source: Source, cache_dir: str | None) -> Any:
         )
     if not path.is_file():
         raise FileNotFoundError(f"{source.key}: no such file: {source.path}")
+    if _blank(path):  # the builders' own error says only `StopIteration`
+        raise DatasetError(f"{source.key}: {source.path} is empty: it has no rows")
     try:
         return _load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
     except Exception as error:  # any reading failure becomes one line
@@ -92,6 +94,13 @@ def _read_file(source: Source, cache_dir: str | None) -> Any:
         if bad_line is not None:
             raise DatasetError(f"{source.path}: {bad_line}") from None
         raise DatasetError(f"cannot read {source.path} as {builder}: {_one_line(error)}") from None
+
+
+def _blank(path: Path, head: int = 1 << 16) -> bool:
+    """Nothing but whitespace in the file (read no further than its first `head` bytes)."""
+    with path.open("rb") as file:
+        start = file.read(head)
+    return not start.strip() and len(start) < head
 
 
 def _first_bad_json_line(path: Path) -> str | None:

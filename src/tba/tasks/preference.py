@@ -109,7 +109,7 @@ def respond(
     return generate_batched(
         model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, greedy=greedy, generator=generator,
-        batch_size=settings.batch_size,
+        batch_size=settings.batch_size, sampler=settings.sampler,
     )  # fmt: skip
 
 

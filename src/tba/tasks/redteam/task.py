@@ -257,6 +257,7 @@ def sample_attacks(model, tokenizer, prompt: str, count: int, settings) -> list[
     attacks = generate_texts(
         model, tokenizer, [ids] * count, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, generator=generator, batch_size=settings.batch_size,
+        sampler=settings.sampler,
     )  # fmt: skip
     return [a.strip() for a in attacks]
 
