@@ -30,6 +30,14 @@ def validate_grouped(
 ) -> None:
     """Raise ``ValueError`` unless the inputs form a valid grouped batch of N x T tokens (every
     group with >= 2 members, unless `singletons` are allowed)."""
+    validate_tokens(mask, per_token, {**per_seq, "group_ids": group_ids})
+    check_group_ids(group_ids, singletons, "for a baseline")
+
+
+def validate_tokens(mask: Tensor, per_token: dict[str, Tensor], per_seq: dict[str, Tensor]) -> None:
+    """Raise ``ValueError`` unless the inputs form a valid batch of N x T tokens: per-token
+    tensors of the mask's shape, per-sequence ones of shape (N,), a 0/1 mask with at least one
+    real token in every row."""
     if mask.dim() != 2:
         raise ValueError(f"mask must be 2-D (N, T), got shape {tuple(mask.shape)}")
     for name, tensor in per_token.items():
@@ -38,7 +46,7 @@ def validate_grouped(
                 f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(tensor.shape)}"
             )
     n = mask.shape[0]
-    for name, tensor in {**per_seq, "group_ids": group_ids}.items():
+    for name, tensor in per_seq.items():
         if tensor.shape != (n,):
             raise ValueError(f"{name} must have shape (N,) = ({n},), got {tuple(tensor.shape)}")
     if n == 0:
@@ -48,7 +56,6 @@ def validate_grouped(
     empty = (~mask.bool().any(dim=1)).nonzero().flatten()
     if empty.numel() > 0:
         raise ValueError(f"every sequence needs >= 1 real token; empty rows: {empty.tolist()}")
-    check_group_ids(group_ids, singletons, "for a baseline")
 
 
 def check_group_ids(group_ids: Tensor, singletons: bool, purpose: str) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tba.objectives.common import check_positive, clipped_objective, masked
+from tba.objectives.common import check_positive, clipped_objective, masked, validate_tokens
 
 WHITEN_EPS = 1e-8
 
@@ -159,21 +159,6 @@ def _token_kl(
     return masked(source.detach(), mask) - masked(ref_token_logp.detach(), mask)
 
 
-def _validate(mask: Tensor, per_token: dict[str, Tensor], per_seq: dict[str, Tensor]) -> None:
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be 2-D (N, T), got shape {tuple(mask.shape)}")
-    for name, tensor in per_token.items():
-        if tensor.shape != mask.shape:
-            raise ValueError(
-                f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(tensor.shape)}"
-            )
-    for name, tensor in per_seq.items():
-        if tensor.shape != mask.shape[:1]:
-            raise ValueError(f"{name} must have shape (N,), got {tuple(tensor.shape)}")
-    if not mask.bool().any(dim=1).all():
-        raise ValueError("every sequence needs >= 1 real token")
-
-
 # ----------------------------------------------------------------------------- losses
 
 
@@ -210,7 +195,7 @@ def ppo_loss(
     whitening), ``value_mean``, ``clip_frac``, ``value_clip_frac`` (shares of real tokens) and
     ``kl`` (mean summed KL per sequence).
     """
-    _validate(
+    validate_tokens(
         mask,
         {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp,
          "ref_token_logp": ref_token_logp, "values": values},
@@ -272,7 +257,7 @@ def vineppo_loss(
     reward units. ``kl_token_logp`` as in :func:`ppo_loss`. Stats: ``advantage_mean``,
     ``advantage_std``, ``clip_frac`` and ``kl``.
     """
-    _validate(
+    validate_tokens(
         mask,
         {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp,
          "step_advantages": step_advantages, "ref_token_logp": ref_token_logp},
