@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from tba.policy.batching import left_pad, right_pad, to_device, unique_prompts
 from tba.policy.chunked_logprobs import linear_logprobs
 from tba.policy.kv_cache import cache_keyword, returned_cache
-from tba.policy.model import is_checkpointing, is_lora
+from tba.policy.model import is_checkpointing, unwrapped
 
 # Config fields of models whose logits are not `output_layer(last hidden state)` (Gemma 2's
 # soft-capping, Cohere's and Granite's scaling): they take the plain computation.
@@ -143,7 +143,7 @@ def reference_token_logprobs(
 def output_layer(model: PreTrainedModel) -> torch.nn.Linear | None:
     """The output layer, when the logits are exactly `output_layer(decoder's last hidden state)`
     and it is a plain, unsharded linear layer; None otherwise (see the module docstring)."""
-    base = _unwrapped(model)
+    base = unwrapped(model)
     head = base.get_output_embeddings()
     if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
         return None
@@ -158,12 +158,8 @@ def output_layer(model: PreTrainedModel) -> torch.nn.Linear | None:
 def decoder(model: PreTrainedModel) -> torch.nn.Module:
     """The model without its output layer: input ids to final hidden states (adapters, if any,
     stay active in it)."""
-    base = _unwrapped(model)
+    base = unwrapped(model)
     return getattr(base, base.base_model_prefix)
-
-
-def _unwrapped(model: PreTrainedModel) -> PreTrainedModel:
-    return model.get_base_model() if is_lora(model) else model
 
 
 def _shares_prompts(model: PreTrainedModel) -> bool:

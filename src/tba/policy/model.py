@@ -171,6 +171,11 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
+def unwrapped(model: PreTrainedModel) -> PreTrainedModel:
+    """The Hugging Face model itself: under PEFT's wrapper (its adapters stay in its layers)."""
+    return model.get_base_model() if is_lora(model) else model
+
+
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
     """An independent copy in eval mode with gradients off (the reference policy)."""
     first = next(model.parameters())

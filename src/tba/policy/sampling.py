@@ -36,6 +36,7 @@ from tba.policy.kv_cache import (
     static_cache_like,
     supports_static_cache,
 )
+from tba.policy.model import unwrapped
 
 SamplerKind = Literal["auto", "loop", "static", "compiled"]
 
@@ -358,8 +359,7 @@ def _generation(
 
 def compiles_whole(model: PreTrainedModel) -> bool:
     """Whether Hugging Face declares this model's forward compilable as one graph."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    return bool(getattr(base, "_can_compile_fullgraph", False))
+    return bool(getattr(unwrapped(model), "_can_compile_fullgraph", False))
 
 
 def resolve_sampler(model: PreTrainedModel, kind: SamplerKind) -> str:
