@@ -8,7 +8,8 @@ Parts (`--parts`, all by default):
   (`train.mode=sync searchers.count=0`), for `--minutes` of training: held-out greedy pass@1
   against time, samples/s, and what a step is made of (generation, weight hand-off, update).
 - async: the same task asynchronously, 2 searchers as Ray actors beside the trainer (on a GPU
-  sharing it, `searchers.num_gpus=0.25`): the same, and how stale the trained samples were.
+  sharing it: `searchers.num_gpus=auto`, a third of it each): the same, and how stale the
+  trained samples were.
   Skipped, in one line, when Ray is not installed.
 - model: a Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate
   4864, vocabulary 151,936, tied embeddings, rope theta 1e6; random weights) in bf16 through
@@ -159,9 +160,8 @@ def run_embedded(mode: str, args: argparse.Namespace) -> dict:
     if mode == "sync":
         overrides += ["train.mode=sync", "searchers.count=0"]
     else:
+        # On a GPU, `searchers.num_gpus=auto` (the default) puts both beside the trainer.
         overrides += ["train.mode=async", "searchers.count=2"]
-        if args.device.startswith("cuda"):
-            overrides.append("searchers.num_gpus=0.25")  # both searchers beside the trainer
     if args.small:
         overrides += ["policy.num_threads=1", *small_task(True, args.out)]
         if mode == "async":  # train once one batch is in: the searchers start slowly on 2 cores

@@ -462,3 +462,69 @@ def test_bad_sampling_arguments_raise(kwargs, name):
 def test_bad_capacities_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         ReplayBuffer(**({"capacity": 10} | kwargs))
+
+
+def generation(
+    prompt_id: int, size: int, version: int, at: float, searcher: int = 0
+) -> list[Sample]:
+    """`size` samples of one prompt made by one generation call."""
+    samples = [make(prompt_id, version) for _ in range(size)]
+    for s in samples:
+        s.searcher_id, s.created_at = searcher, at
+    return samples
+
+
+def test_context_is_the_rest_of_the_groups_generation_and_none_for_replay():
+    buf = ReplayBuffer(100, recent_prob=1.0)
+    first = generation(0, 8, version=1, at=1.0)
+    other_searcher = generation(0, 8, version=1, at=1.0, searcher=1)
+    older = generation(0, 8, version=0, at=0.5)
+    buf.add(older + first + other_searcher)
+    rng = np.random.default_rng(0)
+    for _ in range(2):  # the two halves of the newest generation, each with the other as context
+        batch = buf.sample(1, 4, rng, context=True)
+        (group,), (context,) = batch.groups, batch.context
+        made_by = other_searcher if group[0] in other_searcher else first
+        assert all(s in made_by for s in group)
+        assert sorted(map(tag, group + context)) == sorted(map(tag, made_by))
+        assert [tag(s) for s in context] == sorted(map(tag, context))  # insertion order
+    replayed = ReplayBuffer(100, recent_prob=0.0)
+    replayed.add(first)
+    batch = replayed.sample(2, 4, rng, context=True)
+    assert batch.context == [[], []]
+    assert buf.sample(1, 4, rng).context == []  # only when asked for
+
+
+def test_fresh_uses_serve_each_sample_that_many_times_least_used_first():
+    """TRL's num_iterations = 2: a generation of 8 serves 4 steps of 4, each sample twice, in
+    the order TRL cycles through its slices; and nothing twice in one batch."""
+    buf = ReplayBuffer(100, recent_prob=1.0, fresh_uses=2)
+    samples = generation(0, 8, version=0, at=0.0)
+    buf.add(samples)
+    rng = np.random.default_rng(0)
+    halves = [sorted(map(tag, samples[4:])), sorted(map(tag, samples[:4]))]
+    for step in range(4):
+        assert buf.fresh_groups(4) == (2, 2, 2, 1)[step]  # groups one batch can draw
+        batch = buf.sample(1, 4, rng)
+        assert sorted(map(tag, batch.groups[0])) == halves[step % 2]
+        assert (batch.fresh, batch.reused) == (1, int(step >= 2))
+    assert buf.fresh_groups(4) == 0
+
+    once = ReplayBuffer(100, recent_prob=1.0, fresh_uses=3)
+    once.add(generation(0, 8, version=0, at=0.0))
+    batch = once.sample(3, 4, rng)  # two fresh groups, then a replayed one
+    assert batch.fresh == 2
+    drawn = [tag(s) for group in batch.groups[:2] for s in group]
+    assert len(set(drawn)) == 8
+
+
+def test_fresh_uses_survive_a_state_round_trip():
+    buf = ReplayBuffer(100, recent_prob=1.0, fresh_uses=2)
+    buf.add(generation(0, 8, version=0, at=0.0))
+    buf.sample(1, 4, np.random.default_rng(0))
+    copy = ReplayBuffer(100, recent_prob=1.0, fresh_uses=2)
+    copy.load_state_dict(json.loads(json.dumps(buf.state_dict())))
+    for _ in range(3):
+        a, b = (x.sample(1, 4, np.random.default_rng(1)) for x in (buf, copy))
+        assert [tag(s) for s in a.groups[0]] == [tag(s) for s in b.groups[0]]
+    assert buf.fresh_groups(4) == copy.fresh_groups(4) == 0

@@ -36,7 +36,7 @@ from tba.core import Sample
 from tba.errors import ConfigError, RewardError
 from tba.evaluation import EvalFaults
 from tba.locks import FileLock, Locked
-from tba.policy.model import check_devices
+from tba.policy.model import check_devices, searcher_gpus
 from tba.policy.sampling import Generation
 from tba.policy.sources import built_once
 from tba.rewards.scorer import RewardScorer
@@ -238,7 +238,7 @@ def test_a_non_finite_loss_skips_the_update(tiny_model, tokenizer):
 
 
 def test_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch, capsys):
-    def nan_loss(self, flat, beta):
+    def nan_loss(self, flat, beta, context):
         logp = torch.stack([p.sum() for p in self.model.parameters()]).sum()
         return logp * math.nan, {}
 
@@ -519,12 +519,31 @@ def test_devices_this_machine_lacks_are_one_line_before_anything_starts(workspac
     with pytest.raises(ConfigError, match=r"policy.device: a device is auto .*\(got 'gpu'\)"):
         TBAConfig(policy={"device": "gpu"})
     with pytest.raises(ConfigError, match="task.reward_device=cuda needs searchers.num_gpus > 0"):
-        load_config(None, ["task.reward_device=cuda"])  # searcher processes see no GPU
+        load_config(None, ["task.reward_device=cuda", "searchers.num_gpus=0"])  # they see none
     if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"searchers.device=cuda needs searchers.num_gpus > "
+                           r"0 \(`auto` gave 0: this machine has no CUDA device\)"):
+            check_devices(load_config(None, ["searchers.device=cuda"]))
         for settings in (["searchers.count=0", "train.mode=sync", "searchers.device=cuda"],
                          ["searchers.num_gpus=1"], ["policy.device=cuda"]):
             with pytest.raises(ConfigError, match="this machine has no CUDA device"):
                 check_devices(load_config(None, settings))
+
+
+@pytest.mark.parametrize(("settings", "cuda", "expected"), [
+    (["searchers.count=2"], True, 1 / 3),  # the trainer's GPU shared three ways
+    (["searchers.count=1"], True, 1 / 2),
+    (["searchers.count=2"], False, 0.0),
+    (["searchers.count=2", "ray.address=auto"], True, 0.0),
+    (["searchers.count=2", "searchers.device=cpu"], True, 0.0),
+    (["searchers.count=0", "train.mode=sync"], True, 0.0),
+    (["searchers.count=2", "searchers.num_gpus=0.5"], False, 0.5),
+])  # fmt: skip
+def test_searchers_share_the_trainers_gpu_by_default(monkeypatch, settings, cuda, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    config = load_config(None, settings)
+    assert config.searchers.num_gpus == (0.5 if "searchers.num_gpus=0.5" in settings else "auto")
+    assert searcher_gpus(config)[0] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("returned", [

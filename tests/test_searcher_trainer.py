@@ -229,3 +229,42 @@ def test_learned_log_z_starts_at_vargrad_and_survives_a_checkpoint(tiny_model, t
     other.load_state_dict(trainer.state_dict())
     assert other.log_z_head.ready
     assert other.log_z_head.head.bias.item() == pytest.approx(vargrad, abs=1e-4)
+
+
+@pytest.mark.parametrize("loss", ["tb", "rloo"])
+def test_context_samples_enter_the_group_statistics_without_gradient(tokenizer, loss):
+    """A step on 2 of a group's 4 samples with the other 2 as context: the gradient of the mean
+    loss over the 2 trained, with log Z (TB) or the leave-one-out baseline (RLOO) over all 4,
+    against a float64 reference."""
+    beta = 0.5
+    model = build_tiny_llama(len(tokenizer), pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                             hidden_size=32, num_layers=1, num_heads=2, seed=0)  # fmt: skip
+    prompt = tokenizer("Q\n")["input_ids"]
+    texts, rewards = ["1", "22", "333", "4"], [1.0, 0.0, 0.5, 0.25]
+    responses = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    samples = [Sample(3, prompt, r, reward=w, ref_logp=-2.0 - i, behaviour_logp=-3.0, version=0)
+               for i, (r, w) in enumerate(zip(responses, rewards))]  # fmt: skip
+
+    reference_model = copy.deepcopy(model).double()
+    tokens, _ = token_logprobs(reference_model, [prompt] * 4, responses, pad_id=0)
+    trained = torch.tensor([True, True, False, False])
+    logp = torch.where(trained, tokens.sum(dim=1), tokens.sum(dim=1).detach())
+    ref = torch.tensor([s.ref_logp for s in samples], dtype=torch.float64)
+    reward = torch.tensor(rewards, dtype=torch.float64)
+    if loss == "tb":  # log Z = -mean of delta over all 4
+        delta = logp - ref - reward / beta
+        terms = (beta * (delta - delta.detach().mean())).pow(2) / (2 * beta)
+    else:  # A_i = K/(K-1) (r~_i - mean r~), K = 4
+        shaped = reward - beta * (logp.detach() - ref)
+        terms = -4 / 3 * (shaped - shaped.mean()) * logp
+    terms[trained].mean().backward()
+    expected = torch.cat([p.grad.flatten() for p in reference_model.parameters()]).float()
+
+    def step_gradient(context: list[list[Sample]] | None) -> torch.Tensor:
+        trainer = Trainer(copy.deepcopy(model), pad_id=0, temperature=1.0, learning_rate=0.0,
+                          max_grad_norm=1e9, loss=loss, trust_region="none")  # fmt: skip
+        trainer.step([samples[:2]], beta=beta, context=context)
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+
+    assert torch.allclose(step_gradient([samples[2:]]), expected, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(step_gradient(None), expected, rtol=1e-2, atol=1e-4)

@@ -93,7 +93,7 @@ MAPPED = {
     "num_generations": (4, {"train.group_size": 4, "train.num_prompts": 2}),
     "generation_batch_size": (16, {"searchers.prompts_per_batch": 2, "train.num_prompts": 1}),
     "steps_per_generation": (3, {"searchers.prompts_per_batch": 3, "train.num_prompts": 1}),
-    "num_iterations": (2, {"buffer.recent_prob": 0.5, "buffer.max_staleness": 2}),
+    "num_iterations": (2, {"buffer.fresh_uses": 2}),
     "max_completion_length": (64, {"policy.max_new_tokens": 64}),
     "max_prompt_length": (128, {"policy.max_prompt_length": 128}),
     "temperature": (0.7, {"policy.temperature": 0.7}),
@@ -181,6 +181,9 @@ def test_trls_batches_as_tbas(arguments, expected):
                    * arguments.get("gradient_accumulation_steps", 1))  # fmt: skip
     assert train.num_prompts * train.group_size == completions
     assert train.sync_generate == "when_needed"  # no replayed group in the synchronous mode
+    # A group split across steps keeps all of its completions in its statistics, as TRL's.
+    split = train.samples_per_prompt is not None
+    assert train.group_baseline == ("generation" if split else "trained")
 
 
 @pytest.mark.parametrize(
@@ -200,6 +203,12 @@ def test_batches_trl_refuses_are_refused_in_one_line(arguments, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as error:
         TBAConfig(**arguments)
     assert "\n" not in str(error.value)
+
+
+def test_groups_split_across_steps_train_on_one_process():
+    """Their statistics' extra forward passes would put sharded ranks out of step."""
+    with pytest.raises(ConfigError, match="train.group_baseline=generation runs its extra"):
+        load_config(None, ["train.group_baseline=generation", "trainer.world_size=2"])
 
 
 # ------------------------------------------------------------------------------ TRL's defaults

@@ -308,12 +308,15 @@ def test_a_quantized_model_is_refused_in_one_line(tmp_path, tiny_model, tokenize
                    processing_class=tokenizer)  # fmt: skip
 
 
-def test_a_generation_of_half_steps_serves_two_steps_without_replay(tmp_path, policy_dir):
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_a_generation_of_half_steps_serves_two_steps_without_replay(tmp_path, policy_dir,
+                                                                    iterations):  # fmt: skip
     """LoRA Without Regret's batches: 1 completion a pass, 4 passes, generations of one prompt's
-    8 completions. Synchronously, each generation serves two steps of 4 fresh completions."""
+    8 completions. Synchronously, each generation serves two steps of 4 fresh completions (four
+    steps, each completion twice, with num_iterations=2)."""
     config = TBAConfig(
         per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=8,
-        generation_batch_size=8, output_dir=str(tmp_path / "run"),
+        generation_batch_size=8, num_iterations=iterations, output_dir=str(tmp_path / "run"),
         train={"mode": "sync", "max_steps": 4}, searchers={"count": 0},
         policy={"max_new_tokens": 8, "num_threads": 1}, task={"num_eval": 4},
     )  # fmt: skip
@@ -321,7 +324,11 @@ def test_a_generation_of_half_steps_serves_two_steps_without_replay(tmp_path, po
                                                                   completions],
                         args=config, train_dataset=rows()).train()  # fmt: skip
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
-    assert [r["generations"] for r in steps] == [1, 0, 1, 0]
-    assert result.metrics["groups_reused"] == 0 and result.metrics["groups_fresh"] == 4
+    assert [r["generations"] for r in steps] == ([1, 0, 1, 0] if iterations == 1 else [1, 0, 0, 0])
+    # Each step trains on 4 of a prompt's 8 completions, its log Z from all 8.
+    assert [r["context_samples"] for r in steps] == [4, 4, 4, 4]
+    # The second pass over a generation is the reuse num_iterations asks for.
+    assert result.metrics["groups_reused"] == (0 if iterations == 1 else 2)
+    assert result.metrics["groups_fresh"] == 4
     assert result.metrics["train_samples_per_second"] * result.metrics["train_runtime"] == \
         pytest.approx(4 * 4)  # fmt: skip

@@ -1,13 +1,14 @@
 """Replay buffer with Most-On-Policy (MOP) sampling.
 
 Searchers keep adding samples produced by (possibly stale) policy versions while the trainer draws
-batches of per-prompt groups of ``K`` samples. Every sample is **fresh** until it is first trained
-on. MOP sampling mixes two sources per group:
+batches of per-prompt groups of ``K`` samples. Every sample is **fresh** until it is trained on
+(``fresh_uses`` times: once by default; TRL's ``num_iterations`` reuses each generation that many
+times, the least-used samples first). MOP sampling mixes two sources per group:
 
 - with probability ``recent_prob`` (the recent branch), a prompt with fresh samples, the newest
-  weight version first, and its ``K`` newest fresh samples. Fresh samples are used once: recent
-  prompts are cycled without replacement across steps, so a batch is never trained twice because
-  no new data arrived in between;
+  weight version first, and its ``K`` least-used, then newest fresh samples. Fresh samples are
+  used ``fresh_uses`` times (once by default): recent prompts are cycled without replacement
+  across steps, so a batch is never trained on again because no new data arrived in between;
 - otherwise, or when no prompt has fresh samples left, a replay group: a uniformly chosen prompt
   whose samples are drawn without replacement from a mixture of a reward softmax and a uniform
   distribution (reusing history, optionally prioritising high rewards).
@@ -104,6 +105,11 @@ def _fill_group(distinct: list[Sample], group_size: int, rng: np.random.Generato
     return distinct + [distinct[int(i)] for i in extra]
 
 
+def _generation(s: Sample) -> tuple[int, int, int, float]:
+    """What the samples of one generation share: the searcher process, the weights, the time."""
+    return s.searcher_id, s.incarnation, s.version, s.created_at
+
+
 def _validate_sampling_args(
     recent_prob: float, reward_weight: float, reward_temperature: float
 ) -> None:
@@ -130,7 +136,8 @@ class ReplayBuffer:
     ``recent_prob`` (m) is the probability that a group comes from the recent branch;
     ``reward_weight`` and ``reward_temperature`` set the replay mixture
     ``reward_weight * softmax(r / T) + (1 - reward_weight) * uniform``; ``max_staleness`` is the
-    staleness bound in optimizer steps (None: none).
+    staleness bound in optimizer steps (None: none); ``fresh_uses`` the times a sample is drawn
+    as fresh.
     """
 
     def __init__(
@@ -143,6 +150,7 @@ class ReplayBuffer:
         reward_temperature: float = 1.0,
         dedup: str = "none",
         max_staleness: int | None = None,
+        fresh_uses: int = 1,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -150,6 +158,8 @@ class ReplayBuffer:
             raise ValueError(f"per_prompt_capacity must be >= 1, got {per_prompt_capacity}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if fresh_uses < 1:
+            raise ValueError(f"fresh_uses must be >= 1, got {fresh_uses}")
         _validate_sampling_args(recent_prob, reward_weight, reward_temperature)
         if dedup not in DEDUP_KEYS:
             raise ValueError(f"dedup must be one of {', '.join(DEDUP_KEYS)}, got {dedup!r}")
@@ -160,13 +170,15 @@ class ReplayBuffer:
         self.reward_weight = reward_weight
         self.reward_temperature = reward_temperature
         self.max_staleness = max_staleness
+        self.fresh_uses = fresh_uses
         self._clear()
 
     def _clear(self) -> None:
         # prompt_id -> {insertion seq: sample}; dicts keep insertion order and delete in O(1).
         self._prompts: dict[int, dict[int, Sample]] = {}
-        # prompt_id -> {seq: None}: the samples not trained on yet, in insertion order.
-        self._fresh: dict[int, dict[int, None]] = {}
+        # prompt_id -> {seq: times trained on}: the fresh samples (trained on fewer than
+        # `fresh_uses` times), in insertion order.
+        self._fresh: dict[int, dict[int, int]] = {}
         # Min-heap of (version, seq, prompt_id) in eviction order. Entries whose sample was
         # already removed by the per-prompt limit are skipped when popped.
         self._heap: list[tuple[int, int, int]] = []
@@ -187,6 +199,7 @@ class ReplayBuffer:
             reward_temperature=config.reward_temperature,
             dedup=config.dedup,
             max_staleness=config.max_staleness,
+            fresh_uses=config.fresh_uses,
         )
 
     def __len__(self) -> int:
@@ -219,7 +232,7 @@ class ReplayBuffer:
             if not self._make_room_for(s):
                 self.duplicates += 1
                 continue
-            self._insert(s, self._next_seq, fresh=True)
+            self._insert(s, self._next_seq)
             self._next_seq += 1
             touched[s.prompt_id] = None
         evicted = 0
@@ -248,12 +261,13 @@ class ReplayBuffer:
         self._remove(s.prompt_id, seq)
         return True
 
-    def _insert(self, s: Sample, seq: int, fresh: bool) -> None:
+    def _insert(self, s: Sample, seq: int, uses: int | None = 0) -> None:
+        """Store `s` as `seq`, fresh and trained on `uses` times (None: not fresh)."""
         self._prompts.setdefault(s.prompt_id, {})[seq] = s
         if self.dedup != "none":
             self._keys.setdefault(s.prompt_id, {})[DEDUP_KEYS[self.dedup](s.response_ids)] = seq
-        if fresh:
-            self._fresh.setdefault(s.prompt_id, {})[seq] = None
+        if uses is not None:
+            self._fresh.setdefault(s.prompt_id, {})[seq] = uses
         heapq.heappush(self._heap, (s.version, seq, s.prompt_id))
         self._size += 1
 
@@ -267,15 +281,21 @@ class ReplayBuffer:
             del keys[DEDUP_KEYS[self.dedup](s.response_ids)]
             if not keys:
                 del self._keys[prompt_id]
-        self._mark_trained(prompt_id, [seq])
+        self._mark_trained(prompt_id, [seq], gone=True)
         self._size -= 1
 
-    def _mark_trained(self, prompt_id: int, seqs: Iterable[int]) -> None:
+    def _mark_trained(self, prompt_id: int, seqs: Iterable[int], gone: bool = False) -> None:
+        """Count a use of each of `seqs`; those used `fresh_uses` times (or `gone`) stop being
+        fresh."""
         fresh = self._fresh.get(prompt_id)
         if fresh is None:
             return
         for seq in seqs:
-            fresh.pop(seq, None)
+            if seq not in fresh:
+                continue
+            fresh[seq] += 1
+            if gone or fresh[seq] >= self.fresh_uses:
+                del fresh[seq]
         if not fresh:
             del self._fresh[prompt_id]
 
@@ -312,11 +332,16 @@ class ReplayBuffer:
 
     # ---------------------------------------------------------------------------- sampling
 
-    def sample(self, num_groups: int, group_size: int, rng: np.random.Generator) -> Batch:
+    def sample(
+        self, num_groups: int, group_size: int, rng: np.random.Generator, context: bool = False
+    ) -> Batch:
         """Draw ``num_groups`` MOP groups of ``group_size`` samples, each from a single prompt;
-        every sample drawn stops being fresh. A batch takes distinct prompts while it can; a
-        prompt with K fresh samples left after its first group (many samples per visit, or a task
-        with a single prompt) gives fresh groups again."""
+        every sample drawn counts a use (fresh until ``fresh_uses``), and none is drawn as fresh
+        twice in a batch. A batch takes distinct prompts while it can; a prompt with K fresh
+        samples left after its first group (many samples per visit, or a task with a single
+        prompt) gives fresh groups again. With `context`, `batch.context` gives each fresh group
+        the other samples of the prompt that its generation made (trained before, or left for
+        later steps), and each replayed group none."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         if group_size < 2:
@@ -326,6 +351,7 @@ class ReplayBuffer:
         fresh_pools = self._fresh_pools(group_size)
         replay_pools = self._replay_pools(group_size)
         used: dict[int, None] = {}  # prompts of this batch, in order
+        taken: set[int] = set()  # the fresh samples this batch drew
         batch = Batch([])
         signatures = set()
         for _ in range(num_groups):
@@ -333,20 +359,25 @@ class ReplayBuffer:
             if rng.random() < self.recent_prob:
                 prompt_id = _pick_prompt(fresh_pools, used, rng)
                 if prompt_id is None:
-                    prompt_id = next(
-                        (p for p in used if len(self._fresh.get(p, ())) >= group_size), None
-                    )
+                    prompt_id = next((p for p in used if len(self._fresh.get(p, {}).keys() - taken)
+                                      >= group_size), None)  # fmt: skip
+            siblings: list[Sample] = []
             if prompt_id is not None:
-                seqs = self._fresh_group(prompt_id, group_size)
+                seqs = self._fresh_group(prompt_id, group_size, taken)
+                taken.update(seqs)
                 batch.fresh += 1
+                if context:
+                    siblings = self._same_generation(prompt_id, seqs)
             else:
                 prompt_id = _pick_prompt(replay_pools, used, rng)
                 if prompt_id is None:  # more groups than prompts
                     prompt_id = _repeat_prompt(replay_pools, rng)
                 seqs = self._replay_group(prompt_id, group_size, rng)
+            if context:
+                batch.context.append(siblings)
             used[prompt_id] = None
             fresh = self._fresh.get(prompt_id, {})
-            batch.reused += not any(seq in fresh for seq in seqs)
+            batch.reused += not any(fresh.get(seq) == 0 for seq in seqs)
             signature = tuple(sorted(seqs))
             batch.repeated += signature in self._last_batch
             signatures.add(signature)
@@ -393,11 +424,22 @@ class ReplayBuffer:
             tiers.pop()
         return [_PromptPool(t) for t in tiers]
 
-    def _fresh_group(self, prompt_id: int, group_size: int) -> list[int]:
-        """Seqs of the prompt's newest fresh samples (by version, then insertion)."""
+    def _fresh_group(self, prompt_id: int, group_size: int, taken: Container[int]) -> list[int]:
+        """Seqs of the prompt's least-used, then newest fresh samples (by version, then
+        insertion), other than those `taken` already."""
+        samples, fresh = self._prompts[prompt_id], self._fresh[prompt_id]
+        order = sorted((q for q in fresh if q not in taken),
+                       key=lambda q: (-fresh[q], samples[q].version, q), reverse=True)  # fmt: skip
+        return order[:group_size]
+
+    def _same_generation(self, prompt_id: int, seqs: list[int]) -> list[Sample]:
+        """The prompt's stored samples, other than `seqs`, made by the generation (searcher
+        process, call, weights) that made any of `seqs`; in insertion order."""
         samples = self._prompts[prompt_id]
-        newest = sorted(self._fresh[prompt_id], key=lambda q: (samples[q].version, q), reverse=True)
-        return newest[:group_size]
+        generations = {_generation(samples[seq]) for seq in seqs}
+        group = set(seqs)
+        return [s for seq, s in sorted(samples.items())
+                if seq not in group and _generation(s) in generations]  # fmt: skip
 
     def _replay_group(self, prompt_id: int, group_size: int, rng: np.random.Generator) -> list[int]:
         seqs = list(self._prompts[prompt_id])
@@ -422,6 +464,8 @@ class ReplayBuffer:
                 for prompt_id, samples in self._prompts.items()
             ],
             "fresh": [seq for fresh in self._fresh.values() for seq in fresh],
+            "fresh_used": [[seq, uses] for fresh in self._fresh.values()
+                           for seq, uses in fresh.items() if uses],  # fmt: skip
             "duplicates": self.duplicates,
             "last_batch": sorted(list(group) for group in self._last_batch),
         }
@@ -430,10 +474,10 @@ class ReplayBuffer:
         """Replace the contents with a saved state (capacities included)."""
         self.capacity, self.per_prompt_capacity = d["capacity"], d["per_prompt_capacity"]
         self._clear()
-        fresh = set(d["fresh"])
+        uses = {seq: 0 for seq in d["fresh"]} | dict(d.get("fresh_used", []))
         for _, entries in d["prompts"]:
             for seq, sample in entries:
-                self._insert(Sample.from_dict(sample), seq, fresh=seq in fresh)
+                self._insert(Sample.from_dict(sample), seq, uses.get(seq))
         self._next_seq = d["next_seq"]
         self._last_batch = {tuple(group) for group in d["last_batch"]}
         self.duplicates = d["duplicates"]

@@ -353,6 +353,13 @@ class TrainConfig(Section):
     samples_per_prompt: int | None = Field(
         None, ge=2, description="S >= K: responses generated per prompt visit (default: K)"
     )
+    group_baseline: Literal["trained", "generation"] = Field(
+        "trained", description="where S > K (samples_per_prompt > group_size): a fresh group's "
+        "log Z (tb) or baseline (grpo, dr_grpo, rloo, proximal_rloo) comes from its K trained "
+        "samples, or from all the samples of the prompt that the same generation made, those "
+        "not trained at this step entering without gradient (TRL's advantages over "
+        "num_generations; costs a forward pass over them)",
+    )
     beta: float = Field(0.05, gt=0, description="KL coefficient; the start value when annealed")
     beta_end: float | None = Field(None, gt=0, description="anneal beta linearly to this value")
     beta_start_frac: float = Field(0.0, ge=0, le=1, description="anneal starts at this fraction")
@@ -446,6 +453,12 @@ class BufferConfig(Section):
         None, ge=0, description="drop samples of weights published more than this many optimizer "
         "steps ago (the newest published weights are always kept)",
     )
+    fresh_uses: int = Field(
+        1, ge=1, description="times a sample is drawn as fresh before it is only replayed "
+        "(TRL's num_iterations: each generation serves that many passes, the least-used "
+        "samples first; in the synchronous mode with train.sync_generate=when_needed, a "
+        "generation comes once they are used up)",
+    )
 
 
 class VllmConfig(Section):
@@ -501,7 +514,11 @@ class SearchersConfig(Section):
         "wait for the trainer",
     )
     num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per searcher")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved per searcher")
+    num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="Ray GPUs reserved per searcher; `auto`: where a local Ray "
+        "instance has a GPU to give, the searchers share the first with the trainer, 1 / "
+        "(count + 1) each; else (no GPU, a cluster's ray.address, searchers.device=cpu) 0",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads per searcher (default: num_cpus, at least 1)"
     )
@@ -632,6 +649,10 @@ class RunConfig(Section):
         if ranks > self.train.num_prompts:
             raise ValueError(f"trainer.world_size={ranks} needs train.num_prompts >= {ranks}: "
                              "every rank trains on whole groups")  # fmt: skip
+        if self.train.group_baseline == "generation" and ranks > 1:
+            raise ValueError("train.group_baseline=generation runs its extra forward passes on "
+                             "one trainer process: set trainer.world_size=1, or "
+                             "train.group_baseline=trained")  # fmt: skip
         if self.train.loss == "ppo" and ranks > 1:
             raise ValueError("train.loss=ppo trains on one rank (its critic is not sharded): set "
                              "trainer.world_size=1")  # fmt: skip
@@ -644,23 +665,32 @@ class RunConfig(Section):
     def _check_searcher_devices(self) -> None:
         """Ray shows a searcher process only the GPUs it reserves (`searchers.num_gpus`), as
         cuda:0 upwards: a CUDA device it is not given cannot be there, on any machine."""
-        sc = self.searchers
-        if sc.count == 0:
+        if self.searchers.count == 0:
             return
-        visible = math.ceil(sc.num_gpus)
-        for key, device in (("searchers.device", sc.device),
-                            ("task.reward_device", self.task.reward_device)):  # fmt: skip
-            index = cuda_index(device)
-            if index is None:
-                continue
-            if visible == 0:
-                raise ValueError(f"{key}={device} needs searchers.num_gpus > 0: Ray shows a "
-                                 "searcher process only the GPUs it reserves (or set "
-                                 f"{key}=cpu)")  # fmt: skip
-            if index >= visible:
-                seen = "cuda:0" if visible == 1 else f"cuda:0 to cuda:{visible - 1}"
-                raise ValueError(f"{key}={device}: a searcher sees only the GPUs it reserves "
-                                 f"(searchers.num_gpus={sc.num_gpus:g}), as {seen}")  # fmt: skip
+        # `auto` gives a share of one GPU where there is one (`searcher_gpus`): cuda:0 at most;
+        # where there is none, the run's start says so (`tba.policy.model.check_devices`).
+        gpus = self.searchers.num_gpus
+        check_searcher_devices(self, 1 if gpus == "auto" else gpus)
+
+
+def check_searcher_devices(config: RunConfig, num_gpus: float, why: str = "") -> None:
+    """ValueError unless the searchers' and reward models' CUDA devices are among the
+    `num_gpus` (rounded up) that Ray shows each searcher process; `why`: how `auto` came to
+    that number."""
+    visible = math.ceil(num_gpus)
+    for key, device in (("searchers.device", config.searchers.device),
+                        ("task.reward_device", config.task.reward_device)):  # fmt: skip
+        index = cuda_index(device)
+        if index is None:
+            continue
+        if visible == 0:
+            raise ValueError(f"{key}={device} needs searchers.num_gpus > 0{why}: Ray shows a "
+                             "searcher process only the GPUs it reserves (or set "
+                             f"{key}=cpu)")  # fmt: skip
+        if index >= visible:
+            seen = "cuda:0" if visible == 1 else f"cuda:0 to cuda:{visible - 1}"
+            raise ValueError(f"{key}={device}: a searcher sees only the GPUs it reserves "
+                             f"(searchers.num_gpus={num_gpus:g}), as {seen}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- loading

@@ -88,6 +88,9 @@ class Batch:
     are made of."""
 
     groups: list[list[Sample]]
+    # Per group (when asked for): the other samples its generation made of the prompt, which
+    # enter the group's log Z or baseline without being trained on ([] for a replayed group).
+    context: list[list[Sample]] = field(default_factory=list)
     fresh: int = 0  # groups of fresh samples (the recent branch)
     reused: int = 0  # groups in which every sample had been trained on before
     repeated: int = 0  # groups identical to one of the previous batch (same samples)

@@ -51,7 +51,7 @@ from tba.errors import (
     writing,
 )
 from tba.evaluation import EvalFaults, EvalSettings
-from tba.objectives import BetaSchedule
+from tba.objectives import ROW_MEAN_GROUP_OBJECTIVES, BetaSchedule
 from tba.peak_memory import PeakMemory
 from tba.plots import plot_curves
 from tba.policy.engines import require_vllm
@@ -358,14 +358,15 @@ class TrainLoop:
         if arrived is None:
             return None
         record: dict = {"step": step, **arrived}
-        batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.random.sampler)
+        batch = self.buffer.sample(tc.num_prompts, tc.group_size, self.random.sampler,
+                                   context=whole_generation_groups(tc))  # fmt: skip
         made_of = self.tally.batch(batch, trainer)  # before the step moves the trainer's clock
         done = (step - 1) / self.max_steps if self.max_steps else 0.0
         beta = self.beta_at(max(done, elapsed / self.max_seconds))
         record |= {
             "beta": beta,
             "reward_mean": float(np.mean([s.reward for group in batch.groups for s in group])),
-            **trainer.step(batch.groups, beta),
+            **trainer.step(batch.groups, beta, batch.context),
             "buffer_size": len(self.buffer),
             **made_of,
         }
@@ -551,6 +552,14 @@ def check_unfinished(
     raise ConfigError(f"run {run_dir} already reached its limit, {reached}: to train it further, "
                       f"resume with a higher {key}, e.g. `tba train --resume {run_dir} "
                       f"{key}={2 * value:g}`")  # fmt: skip
+
+
+def whole_generation_groups(train: TrainConfig) -> bool:
+    """Whether a fresh group's statistics take in the samples of its generation that the step
+    does not train on (`train.group_baseline=generation`, with S > K, for an objective with
+    group statistics)."""
+    return (train.group_baseline == "generation" and train.loss in ROW_MEAN_GROUP_OBJECTIVES
+            and (train.samples_per_prompt or train.group_size) > train.group_size)  # fmt: skip
 
 
 def step_limit(train: TrainConfig, num_prompts: int) -> int | None:

@@ -43,6 +43,8 @@ class Tally:
             "fresh_groups": batch.fresh,
             "reused_groups": batch.reused,
             "repeated_groups": batch.repeated,
+            # Samples that entered their group's statistics only (`train.group_baseline`).
+            **({"context_samples": sum(map(len, batch.context))} if batch.context else {}),
         }
 
     def time(self, **seconds: float) -> float:

@@ -13,6 +13,11 @@ the baselines' KL-shaped reward: the `current` policy's (then RLOO's gradient is
 critic LM) with the policy; `vineppo` reads the Monte Carlo values of step prefixes that the
 searchers estimated (`tba.vine`). Both take per-token reference log-probs from the samples.
 
+A group can be part of what its generation made (S > K): with `train.group_baseline=generation`
+the others (`Batch.context`) join it in the loss with detached log-probs, so that its log Z or
+baseline comes from all S while only the K are trained; the reported `loss` then includes their
+constant terms.
+
 Gradient clipping: every objective but GRPO is in reward units per sequence (on-policy, each
 sequence's log-prob gets gradient -A_i / N), so `max_grad_norm` clips them alike; GRPO's
 standardised, length-normalised advantages are unitless. Each step reports the norm before
@@ -44,6 +49,7 @@ from tba.core import Sample
 from tba.objectives import (
     BASELINE_KLS,
     OBJECTIVES,
+    ROW_MEAN_GROUP_OBJECTIVES,
     TOKEN_KL_OBJECTIVES,
     TRUST_REGIONS,
     LossInputs,
@@ -258,19 +264,25 @@ class Trainer(WeightVersions):
         version = self._publish()
         return self.weights(), version, self.step_count
 
-    def step(self, groups: list[list[Sample]], beta: float) -> dict[str, float]:
-        """One optimizer step on the batch's groups."""
+    def step(
+        self, groups: list[list[Sample]], beta: float, context: list[list[Sample]] | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on the batch's groups; `context[i]`, if given, are samples that
+        enter group i's log Z or baseline without being trained on (`Batch.context`)."""
         chunk = self.micro_batch_groups or len(groups)
-        micro_batches = [[s for group in groups[first : first + chunk] for s in group]
-                         for first in range(0, len(groups), chunk)]  # fmt: skip
-        return self._step(micro_batches, beta, total=sum(len(g) for g in groups))
+        micro_batches = micro_batch_split(groups, chunk)
+        contexts = micro_batch_split(context, chunk) if context else None
+        return self._step(micro_batches, beta, total=sum(len(g) for g in groups),
+                          contexts=contexts)  # fmt: skip
 
     def _step(
-        self, micro_batches: list[list[Sample]], beta: float, total: int, padding: int = 0
-    ) -> dict[str, float]:
+        self, micro_batches: list[list[Sample]], beta: float, total: int, padding: int = 0,
+        contexts: list[list[Sample]] | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         """Accumulate the gradient of the mean loss over `total` samples, micro-batch by
         micro-batch, then clip and step. The last `padding` micro-batches only keep collectives
-        in step across ranks (`tba.runtime.fsdp`): they count for nothing."""
+        in step across ranks (`tba.runtime.fsdp`): they count for nothing. `contexts[i]`: the
+        samples that only enter the group statistics of micro-batch i."""
         start = time.time()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
@@ -278,7 +290,7 @@ class Trainer(WeightVersions):
         sums: dict[str, float] = {"tokens": 0.0}
         for index, flat in enumerate(micro_batches):
             counted = index < len(micro_batches) - padding
-            loss, stats = self._loss(flat, beta)
+            loss, stats = self._loss(flat, beta, contexts[index] if contexts else [])
             # Weighted so that the accumulated gradient is that of the mean over the whole batch.
             (loss * (len(flat) / total * self.gradient_scale if counted else 0.0)).backward()
             self.masters.grads_to_masters()
@@ -388,19 +400,27 @@ class Trainer(WeightVersions):
         self.schedule.load_state_dict(state["schedule"])
         self.load_versions_state(state)
 
-    def _loss(self, flat: list[Sample], beta: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """The objective on one micro-batch, and its metrics (means over its samples)."""
+    def _loss(
+        self, trained: list[Sample], beta: float, context: list[Sample]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective on one micro-batch, and its metrics (means over its samples; the
+        objective's own over the groups' members, `context` included)."""
+        if context and self.loss not in ROW_MEAN_GROUP_OBJECTIVES:
+            raise ValueError(f"{self.loss} has no group statistics for context samples to enter")
+        flat = trained + context
         device = next(self.model.parameters()).device
         ref_logp = torch.tensor([s.ref_logp for s in flat], device=device)
         rewards = torch.tensor([s.reward for s in flat], device=device)
         group_ids = torch.tensor([s.prompt_id for s in flat], device=device)
-        token_logp, mask, states = token_logprobs_and_states(
-            self.model, [s.prompt_ids for s in flat], [s.response_ids for s in flat],
-            pad_id=self.pad_id, temperature=self.temperature,
-        )  # fmt: skip
+        token_logp, mask, states = self._token_logprobs(trained)
+        if context:
+            with torch.no_grad():
+                context_logp, context_mask, _ = self._token_logprobs(context)
+            token_logp = _stack_padded(token_logp, context_logp)
+            mask = _stack_padded(mask, context_mask)
         logp = token_logp.sum(dim=1)
         behaviour_logp = torch.tensor([s.behaviour_logp for s in flat], device=device)
-        log_ratio = logp.detach() - behaviour_logp
+        log_ratio = logp[: len(trained)].detach() - behaviour_logp[: len(trained)]
         band = math.log(1.0 - RATIO_BAND), math.log(1.0 + RATIO_BAND)
         drift = {
             "ratio_out_frac": float(((log_ratio < band[0]) | (log_ratio > band[1])).float().mean()),
@@ -430,7 +450,32 @@ class Trainer(WeightVersions):
                 step_advantages=step_advantages,
             )
         )  # fmt: skip
+        # Context rows' log-probs are detached: each adds a constant to the loss and nothing to
+        # its gradient. Every objective that takes them is a mean over rows, so this factor makes
+        # the gradient that of the mean over the trained rows, their groups' statistics whole.
+        loss = loss * (len(flat) / len(trained))
         return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
+
+    def _token_logprobs(
+        self, samples: list[Sample]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return token_logprobs_and_states(
+            self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+            pad_id=self.pad_id, temperature=self.temperature,
+        )  # fmt: skip
+
+
+def micro_batch_split(groups: list[list[Sample]], chunk: int) -> list[list[Sample]]:
+    """Consecutive runs of `chunk` groups, each flattened into one micro-batch."""
+    return [[s for group in groups[first : first + chunk] for s in group]
+            for first in range(0, len(groups), chunk)]  # fmt: skip
+
+
+def _stack_padded(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
+    """Rows of two right-padded (N, T) tensors as one, padded with zeros to the wider."""
+    width = max(top.shape[1], bottom.shape[1])
+    pad = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (top, bottom)]
+    return torch.cat(pad)
 
 
 def _padded(rows: list[list[float] | None], width: int, device) -> torch.Tensor | None:

@@ -177,8 +177,8 @@ BATCH_ARGUMENTS = ("per_device_train_batch_size", "gradient_accumulation_steps",
                    "num_generations", "generation_batch_size", "steps_per_generation",
                    "num_iterations")  # fmt: skip
 _BATCH = Mapped("train.group_size, train.samples_per_prompt, train.num_prompts, "
-                "train.micro_batch_groups, searchers.prompts_per_batch, "
-                "train.sync_generate=when_needed", lambda value: {},
+                "train.micro_batch_groups, train.group_baseline, searchers.prompts_per_batch, "
+                "train.sync_generate=when_needed, buffer.fresh_uses", lambda value: {},
                 "the batch arguments together (Batches, above)")  # fmt: skip
 
 _LOGGING = "TRL's logging: tba logs every step to metrics.jsonl (and report_to)"
@@ -380,8 +380,8 @@ TRL_DEFAULTS: dict[str, Any] = {
 TOGETHER = (
     ("train.max_steps", "train.num_epochs", "train.max_minutes", "train.lr_schedule"),
     ("train.group_size", "train.samples_per_prompt", "train.num_prompts",
-     "train.micro_batch_groups", "searchers.prompts_per_batch", "train.sync_generate",
-     "buffer.recent_prob", "buffer.max_staleness"),
+     "train.micro_batch_groups", "train.group_baseline", "searchers.prompts_per_batch",
+     "train.sync_generate", "buffer.fresh_uses"),
     ("train.warmup_steps", "train.warmup_ratio"),
 )  # fmt: skip
 
@@ -452,15 +452,19 @@ def batch_settings(arguments: dict[str, Any]) -> dict[str, Any]:
     num_iterations times).
 
     tba: a step trains on train.num_prompts groups of train.group_size completions of one
-    prompt, groups kept whole in the loss (each group's log Z comes from all of its members).
-    So a group is the largest that divides both P * A and G, K = gcd(P * A, G): G when P * A is a
-    multiple of G, else a part of a prompt's G completions (train.samples_per_prompt = G), the
-    other parts trained at the next steps. B = P * A / K groups a step, max(1, P // K) a pass;
+    prompt, groups kept whole in the loss (each group's log Z, or baseline, comes from all of
+    its members). So the trained part of a group is the largest that divides both P * A and G,
+    K = gcd(P * A, G): G when P * A is a multiple of G, else a part of a prompt's G completions
+    (train.samples_per_prompt = G), the other parts trained at the next steps; as in TRL, the
+    group's statistics still come from all G (train.group_baseline = generation: the G - K not
+    trained at a step enter its log Z or baseline without gradient). B = P * A / K groups a
+    step, max(1, P // K) a pass;
     searchers.prompts_per_batch = generation_batch_size / G prompts a generation, and in the
     synchronous mode a generation only when the buffer holds fewer fresh groups than a step
     takes (train.sync_generate=when_needed), so that every step trains on fresh completions, as
-    many as TRL's. num_iterations > 1 reuses them: a share 1 / num_iterations of the groups is
-    fresh, the others replayed from the buffer, none older than the reuse TRL would allow."""
+    many as TRL's. num_iterations > 1 reuses them as TRL does: each completion is trained on
+    num_iterations times (buffer.fresh_uses), the least-used first, so that a generation serves
+    num_iterations times as many steps."""
     get = {name: arguments.get(name) for name in BATCH_ARGUMENTS}
     for name, value in get.items():
         if value is not None and not (isinstance(value, int) and value >= 1):
@@ -497,6 +501,7 @@ def batch_settings(arguments: dict[str, Any]) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "train.group_size": size,
         "train.samples_per_prompt": group if size < group else None,
+        "train.group_baseline": "generation" if size < group else "trained",
         "train.num_prompts": groups,
         "train.micro_batch_groups": per_micro_batch if per_micro_batch < groups else None,
         "searchers.prompts_per_batch": generation // group,
@@ -504,8 +509,7 @@ def batch_settings(arguments: dict[str, Any]) -> dict[str, Any]:
     }
     iterations = get["num_iterations"] or 1
     if iterations > 1:
-        settings["buffer.recent_prob"] = 1 / iterations
-        settings["buffer.max_staleness"] = math.ceil(iterations * generation / per_step)
+        settings["buffer.fresh_uses"] = iterations
     return settings
 
 

@@ -36,6 +36,7 @@ from tba.objectives.ppo import gae, ppo_loss, vine_advantages, vineppo_loss
 from tba.objectives.registry import (
     BASELINE_KLS,
     OBJECTIVES,
+    ROW_MEAN_GROUP_OBJECTIVES,
     TOKEN_KL_OBJECTIVES,
     TRUST_REGIONS,
     LossInputs,
@@ -47,6 +48,7 @@ from tba.objectives.tb import tb_loss, tb_residuals, tb_trust_region_loss
 __all__ = [
     "BASELINE_KLS",
     "OBJECTIVES",
+    "ROW_MEAN_GROUP_OBJECTIVES",
     "TOKEN_KL_OBJECTIVES",
     "TRUST_REGIONS",
     "BetaSchedule",

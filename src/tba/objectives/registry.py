@@ -136,6 +136,10 @@ OBJECTIVES: dict[str, Objective] = {
     "ppo": _ppo,
     "vineppo": _vineppo,
 }
+# The objectives whose loss is a mean over the batch's sequences of a term computed from its
+# group's statistics (log Z, a mean or leave-one-out baseline): samples that only enter those
+# statistics (`train.group_baseline=generation`) can join their group with detached log-probs.
+ROW_MEAN_GROUP_OBJECTIVES = ("tb", "dr_grpo", "grpo", "rloo", "proximal_rloo")
 # The objectives that learn from per-token reference log-probs (the searchers then store them),
 # and the one that needs Monte Carlo values of each response's step prefixes.
 TOKEN_KL_OBJECTIVES = ("ppo", "vineppo")

@@ -19,7 +19,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from tba.config import LoraConfig, RunConfig, cuda_index
+from tba.config import LoraConfig, RunConfig, check_searcher_devices, cuda_index
 from tba.errors import ConfigError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -58,14 +58,47 @@ def check_devices(config: RunConfig) -> None:
     in_process = config.searchers.count == 0
     if in_process:
         check_device(config.searchers.device, "searchers.device")
+    else:
+        searcher_devices_given(config)
     ranked = config.trainer.world_size > 1  # the trainer's ranks are Ray actors too
-    asked = {"searchers.num_gpus": 0.0 if in_process else config.searchers.num_gpus,
+    asked = {"searchers.num_gpus": 0.0 if in_process else searcher_gpus(config)[0],
              "trainer.num_gpus": config.trainer.num_gpus if ranked else 0.0}  # fmt: skip
     local_gpus = [key for key, gpus in asked.items() if gpus > 0 and config.ray.address is None]
     if local_gpus and torch.cuda.device_count() == 0:
         raise ConfigError(f"{local_gpus[0]} > 0, but this machine has no CUDA device for its "
                           f"local Ray instance to give; set {local_gpus[0]}=0, or ray.address "
                           "to a cluster with GPUs")  # fmt: skip
+
+
+def searcher_gpus(config: RunConfig) -> tuple[float, str]:
+    """`searchers.num_gpus` as a number, and how `auto` chose it: where a local Ray instance
+    has a GPU to give, each searcher takes 1 / (count + 1) of it, so that the searchers share
+    the first GPU with the trainer; none without searcher processes, on a cluster
+    (`ray.address`: its GPUs are not this machine's to count), with `searchers.device=cpu` or
+    on a machine without CUDA."""
+    sc = config.searchers
+    if sc.num_gpus != "auto":
+        return sc.num_gpus, ""
+    if sc.count == 0:
+        return 0.0, "no searcher processes"
+    if config.ray.address is not None:
+        return 0.0, "a cluster's GPUs (ray.address) are yours to set"
+    if sc.device == "cpu":
+        return 0.0, "searchers.device=cpu"
+    if not torch.cuda.is_available():
+        return 0.0, "this machine has no CUDA device"
+    return 1.0 / (sc.count + 1), "a share of the trainer's GPU"
+
+
+def searcher_devices_given(config: RunConfig) -> None:
+    """ConfigError in one line where the searcher processes' devices (their own, the reward
+    models') need a GPU that `searchers.num_gpus` does not give them."""
+    gpus, why = searcher_gpus(config)
+    try:
+        auto = f" (`auto` gave 0: {why})" if gpus == 0 and why else ""
+        check_searcher_devices(config, gpus, auto)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def build_tiny_llama(

@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 
 from tba.core import Sample
 from tba.policy.model import as_numpy
-from tba.trainer import LearnedLogZ, Trainer
+from tba.trainer import LearnedLogZ, Trainer, micro_batch_split
 
 
 def shard(model: PreTrainedModel, param_dtype: torch.dtype | None) -> None:
@@ -123,7 +123,7 @@ class ShardedTrainer(Trainer):
         """One optimizer step, with this rank's `groups` (at least one) of a batch of `total`
         samples; every rank runs `num_micro_batches`, the most any rank needs."""
         chunk = self.micro_batch_groups or len(groups)
-        own = [[s for g in groups[i : i + chunk] for s in g] for i in range(0, len(groups), chunk)]
+        own = micro_batch_split(groups, chunk)
         padding = num_micro_batches - len(own)
         return self._step(own + [groups[0]] * padding, beta, total, padding)
 

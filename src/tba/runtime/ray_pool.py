@@ -21,6 +21,7 @@ import numpy as np
 from tba.config import RunConfig
 from tba.core import EventLogger, Sample, Task
 from tba.errors import SearcherError, first_line
+from tba.policy.model import searcher_gpus
 from tba.runtime.pool import AsyncSearchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.searcher import SearchSettings
@@ -70,8 +71,9 @@ class RaySearchers(AsyncSearchers):
         self.log_event = log_event
         self.timeout = config.ray.sync_timeout_s
         sc = config.searchers
+        self.num_gpus = searcher_gpus(config)[0]
         self._actor = ray.remote(SearcherActor).options(
-            num_cpus=sc.num_cpus, num_gpus=sc.num_gpus, max_concurrency=4, max_restarts=0
+            num_cpus=sc.num_cpus, num_gpus=self.num_gpus, max_concurrency=4, max_restarts=0
         )
         self._rows = ray.put(task.train_rows)  # one copy, shared by every searcher
         self._weights: tuple[int, int, Any] | None = None  # (version, step, ObjectRef)
@@ -353,7 +355,7 @@ class RaySearchers(AsyncSearchers):
             raise SearcherError(
                 f"searcher {i} has not started for {waited:.0f} s (ray.start_timeout_s="
                 f"{start_timeout:g}): it is stuck loading, or Ray cannot place it (it asks for "
-                f"{sc.num_cpus:g} CPU, {sc.num_gpus:g} GPU)"
+                f"{sc.num_cpus:g} CPU, {self.num_gpus:g} GPU)"
             )
 
     def _latest_weights(self) -> tuple[int, int, Any]:

@@ -158,7 +158,11 @@ class RankedTrainer(WeightVersions):
 
     # --------------------------------------------------------------- the Trainer interface
 
-    def step(self, groups: list[list[Sample]], beta: float) -> dict[str, float]:
+    def step(
+        self, groups: list[list[Sample]], beta: float, context: list[list[Sample]] | None = None
+    ) -> dict[str, float]:
+        if context:  # every rank must run the same passes: the config keeps them apart
+            raise ValueError("train.group_baseline=generation trains on one process")
         shares, num_micro_batches = split_batch(groups, self.world_size, self.micro_batch_groups)
         total = sum(len(group) for group in groups)
         refs = [rank.step.remote(share, beta, total, num_micro_batches)
