@@ -55,13 +55,13 @@ def check_devices(config: RunConfig) -> None:
     this process, or in a local Ray instance, which has this machine's GPUs to give)."""
     check_device(config.policy.device, "policy.device")
     check_device(config.task.reward_device, "task.reward_device")
-    in_process = config.searchers.count == 0
-    if in_process:
+    reserved = 0.0  # by each searcher process
+    if config.searchers.count == 0:  # in this process
         check_device(config.searchers.device, "searchers.device")
     else:
-        searcher_devices_given(config)
+        reserved = searcher_devices_given(config)
     ranked = config.trainer.world_size > 1  # the trainer's ranks are Ray actors too
-    asked = {"searchers.num_gpus": 0.0 if in_process else searcher_gpus(config)[0],
+    asked = {"searchers.num_gpus": reserved,
              "trainer.num_gpus": config.trainer.num_gpus if ranked else 0.0}  # fmt: skip
     local_gpus = [key for key, gpus in asked.items() if gpus > 0 and config.ray.address is None]
     if local_gpus and torch.cuda.device_count() == 0:
@@ -90,15 +90,16 @@ def searcher_gpus(config: RunConfig) -> tuple[float, str]:
     return 1.0 / (sc.count + 1), "a share of the trainer's GPU"
 
 
-def searcher_devices_given(config: RunConfig) -> None:
-    """ConfigError in one line where the searcher processes' devices (their own, the reward
-    models') need a GPU that `searchers.num_gpus` does not give them."""
+def searcher_devices_given(config: RunConfig) -> float:
+    """The GPUs each searcher process reserves (`searcher_gpus`); ConfigError in one line where
+    their devices (their own, the reward models') need a GPU that this does not give them."""
     gpus, why = searcher_gpus(config)
     try:
         auto = f" (`auto` gave 0: {why})" if gpus == 0 and why else ""
         check_searcher_devices(config, gpus, auto)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    return gpus
 
 
 def build_tiny_llama(
