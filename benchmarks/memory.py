@@ -1,8 +1,9 @@
 """Memory of the trainer and the searchers: three suites, every measurement in a fresh process.
 
 - `--suite roles` (the default): peak RSS of each role on a ~100M-parameter Llama, with and
-  without LoRA. The model (12 layers, width 768, 32k vocabulary, tied embeddings: 110M
-  parameters) is created randomly in a temporary directory.
+  without LoRA, and with LoRA on the base quantized to 4 bits (QLoRA, `--qlora-bits`). The
+  model (12 layers, width 768, 32k vocabulary, tied embeddings: 110M parameters) is created
+  randomly in a temporary directory.
   - trainer: load the policy, take `--steps` optimizer steps on B x K responses, publish weights;
   - searcher: load the policy (and, without LoRA, the frozen reference copy), generate a batch
     with reference log-probs, receive a weight sync (the payload a trainer publishes, read from a
@@ -18,7 +19,7 @@
   (CUDA's allocator) of each, and which fit on the card. `--small` runs the same on a CPU with
   narrow shapes, to try it.
 
-    python -m benchmarks.memory                          # roles: fp32 and bf16, LoRA r=16 or none
+    python -m benchmarks.memory                          # roles: fp32, bf16; none, LoRA, QLoRA
     python -m benchmarks.memory --suite logprobs         # CPU, ~1 min
     python -m benchmarks.memory --suite qwen             # one GPU, ~5 min
     python -m benchmarks.memory --suite qwen --small     # the same on a CPU, tiny shapes
@@ -43,7 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tba.policy.logprobs as logprobs_module
 from benchmarks.shapes import parameters, qwen_config, random_qwen
-from tba.config import LoraConfig
+from tba.config import LoraConfig, QuantizationConfig
 from tba.core import Sample
 from tba.peak_memory import PeakMemory
 from tba.policy.logprobs import sequence_logprobs
@@ -104,7 +105,8 @@ def fake_groups(tokenizer, num_prompts: int, group_size: int, length: int):
 def measure_trainer(args: argparse.Namespace) -> dict:
     imported = rss_mib()
     tokenizer = load_tokenizer(args.model_dir)
-    model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank))
+    model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank),
+                        quantization=QuantizationConfig(bits=args.bits))  # fmt: skip
     trainer = Trainer(model, pad_id=tokenizer.pad_token_id, temperature=1.0,
                       learning_rate=1e-5, max_grad_norm=1.0)  # fmt: skip
     groups = fake_groups(tokenizer, args.num_prompts, args.group_size, args.length)
@@ -123,7 +125,8 @@ def measure_trainer(args: argparse.Namespace) -> dict:
 def measure_searcher(args: argparse.Namespace) -> dict:
     imported = rss_mib()
     tokenizer = load_tokenizer(args.model_dir)
-    model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank))
+    model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank),
+                        quantization=QuantizationConfig(bits=args.bits))  # fmt: skip
     settings = SearchSettings(
         samples_per_prompt=args.group_size, temperature=1.0, max_new_tokens=args.length,
         truncated="penalize", truncation_penalty=-1.0,
@@ -137,7 +140,8 @@ def measure_searcher(args: argparse.Namespace) -> dict:
 
 def write_payload(args: argparse.Namespace) -> dict:
     """What a trainer publishes for this setting (weights nudged, so that a sync changes them)."""
-    model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank))
+    model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank),
+                        quantization=QuantizationConfig(bits=args.bits))  # fmt: skip
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
@@ -309,10 +313,11 @@ def create_model(directory: Path, hidden_size: int = 768, num_layers: int = 12) 
     return sum(p.numel() for p in model.parameters())
 
 
-def run_role(role: str, args: argparse.Namespace, dtype: str, rank: int, payload: Path) -> dict:
+def run_role(role: str, args: argparse.Namespace, dtype: str, rank: int, bits: int,
+             payload: Path) -> dict:  # fmt: skip
     command = [
         sys.executable, "-m", "benchmarks.memory", "--role", role, "--model-dir", args.model_dir,
-        "--dtype", dtype, "--rank", str(rank), "--payload", str(payload),
+        "--dtype", dtype, "--rank", str(rank), "--bits", str(bits), "--payload", str(payload),
         "--steps", str(args.steps), "--num-prompts", str(args.num_prompts),
         "--group-size", str(args.group_size), "--length", str(args.length),
     ]  # fmt: skip
@@ -328,13 +333,14 @@ def roles_suite(args: argparse.Namespace) -> None:
               f"K={args.group_size}, {args.length} response tokens, {args.steps} trainer steps\n")
         print("| role | dtype | LoRA | after imports | peak RSS | RSS at the end | sync payload |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
+        tunings = [(0, 0), (args.lora_rank, 0), *((args.lora_rank, b) for b in args.qlora_bits)]
         for dtype in args.dtypes:
-            for rank in (0, args.lora_rank):
-                payload = Path(tmp) / f"payload-{dtype}-{rank}.safetensors"
-                run_role("payload", args, dtype, rank, payload)
-                lora = f"r={rank}" if rank else "no"
-                trainer = run_role("trainer", args, dtype, rank, payload)
-                searcher = run_role("searcher", args, dtype, rank, payload)
+            for rank, bits in tunings:
+                payload = Path(tmp) / f"payload-{dtype}-{rank}-{bits}.safetensors"
+                run_role("payload", args, dtype, rank, bits, payload)
+                lora = (f"r={rank}" if rank else "no") + (f", base in {bits} bits" if bits else "")
+                trainer = run_role("trainer", args, dtype, rank, bits, payload)
+                searcher = run_role("searcher", args, dtype, rank, bits, payload)
                 for name, result in (("trainer", trainer), ("searcher", searcher)):
                     sent = f"{trainer['payload_mib']:.1f} MiB" if name == "trainer" else ""
                     print(f"| {name} | {dtype} | {lora} | {result['after_imports']:.0f} MiB | "
@@ -361,6 +367,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="qwen suite: these shapes only")
     parser.add_argument("--dtypes", nargs="+", default=None)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--qlora-bits", type=int, nargs="*", default=[4],
+                        help="roles suite: also LoRA on the base quantized to these bits")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--num-prompts", type=int, default=None, help="B")
     parser.add_argument("--group-size", type=int, default=None, help="K (and S)")
@@ -374,6 +382,7 @@ def main() -> None:
     parser.add_argument("--model-dir")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--bits", type=int, default=0)
     parser.add_argument("--payload")
     parser.add_argument("--shape")
     parser.add_argument("--logprobs", choices=["full", "chunked"], default="chunked")

@@ -432,7 +432,7 @@ def test_sample_dict_round_trip():
     ("kwargs", "name"),
     [
         ({"num_groups": 0}, "num_groups"),
-        ({"group_size": 1}, "group_size"),
+        ({"group_size": 0}, "group_size"),
         ({"recent_prob": -0.1}, "recent_prob"),
         ({"recent_prob": 1.5}, "recent_prob"),
         ({"recent_prob": float("nan")}, "recent_prob"),
@@ -493,6 +493,29 @@ def test_context_is_the_rest_of_the_groups_generation_and_none_for_replay():
     batch = replayed.sample(2, 4, rng, context=True)
     assert batch.context == [[], []]
     assert buf.sample(1, 4, rng).context == []  # only when asked for
+
+
+def test_groups_of_one_draw_every_fresh_sample_once_with_its_generation_as_context():
+    """group_size=1 (TRL's P * A sharing no factor with num_generations): a generation of 8
+    serves 3 + 3 + 2 single samples, the last one too, each with the other 7 as context; a
+    replayed single sample also takes its generation as context."""
+    buf = ReplayBuffer(100, recent_prob=1.0)
+    made = generation(0, 8, version=0, at=0.0) + generation(1, 8, version=0, at=0.0)
+    buf.add(made)
+    rng = np.random.default_rng(0)
+    drawn = []
+    for _ in range(5):
+        batch = buf.sample(3, 1, rng, context=True)
+        for (sample,), context in zip(batch.groups, batch.context):
+            assert sorted(map(tag, [sample, *context])) == sorted(
+                tag(s) for s in made if s.prompt_id == sample.prompt_id)  # fmt: skip
+        drawn += [tag(s) for (s,) in batch.groups]
+        assert batch.fresh == 3 and batch.reused == 0
+    assert len(set(drawn)) == 15  # none twice; the 16th is left for the next step
+    replayed = ReplayBuffer(100, recent_prob=0.0)
+    replayed.add(made[:8])
+    (context,) = replayed.sample(1, 1, rng, context=True).context
+    assert len(context) == 7
 
 
 def test_fresh_uses_serve_each_sample_that_many_times_least_used_first():

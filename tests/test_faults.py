@@ -495,7 +495,9 @@ def test_concurrent_builds_into_one_cache_build_once(tmp_path):
 
     def build(staging: Path) -> None:
         built.append(staging)
-        time.sleep(0.5)  # long enough for the others to find the build under way
+        deadline = time.time() + 30  # until the others have found the build under way
+        while sum("waiting for process" in line for line in waited) < 2 and time.time() < deadline:
+            time.sleep(0.01)
         staging.mkdir()
         (staging / "config.json").write_text("{}")
 

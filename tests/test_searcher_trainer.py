@@ -260,11 +260,19 @@ def test_context_samples_enter_the_group_statistics_without_gradient(tokenizer, 
     terms[trained].mean().backward()
     expected = torch.cat([p.grad.flatten() for p in reference_model.parameters()]).float()
 
-    def step_gradient(context: list[list[Sample]] | None) -> torch.Tensor:
+    def step_gradient(groups: list[list[Sample]],
+                      context: list[list[Sample]] | None) -> torch.Tensor:  # fmt: skip
         trainer = Trainer(copy.deepcopy(model), pad_id=0, temperature=1.0, learning_rate=0.0,
                           max_grad_norm=1e9, loss=loss, trust_region="none")  # fmt: skip
-        trainer.step([samples[:2]], beta=beta, context=context)
+        trainer.step(groups, beta=beta, context=context)
         return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
 
-    assert torch.allclose(step_gradient([samples[2:]]), expected, rtol=1e-4, atol=1e-6)
-    assert not torch.allclose(step_gradient(None), expected, rtol=1e-2, atol=1e-4)
+    assert torch.allclose(step_gradient([samples[:2]], [samples[2:]]), expected, rtol=1e-4,
+                          atol=1e-6)  # fmt: skip
+    assert not torch.allclose(step_gradient([samples[:2]], None), expected, rtol=1e-2,
+                              atol=1e-4)  # fmt: skip
+    # The same 2 drawn as groups of one (group_size=1), each with its generation's other 3:
+    # every sample enters the statistics once, the gradient is the same.
+    singles = step_gradient([samples[:1], samples[1:2]],
+                            [[samples[1], *samples[2:]], [samples[0], *samples[2:]]])
+    assert torch.allclose(singles, expected, rtol=1e-4, atol=1e-6)

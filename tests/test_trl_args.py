@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import BitsAndBytesConfig
 
 from tba import TBAConfig
 from tba.config import load_config
@@ -105,8 +107,9 @@ MAPPED = {
     "use_cpu": (True, {"policy.device": "cpu", "searchers.device": "cpu",
                        "task.reward_device": "cpu"}),
     "no_cuda": (True, {"policy.device": "cpu", "searchers.device": "cpu"}),
-    "model_init_kwargs": ({"dtype": "bfloat16", "attn_implementation": "sdpa"},
-                          {"policy.dtype": "bfloat16"}),
+    "model_init_kwargs": ({"dtype": "bfloat16", "attn_implementation": "sdpa",
+                           "quantization_config": BitsAndBytesConfig(load_in_8bit=True)},
+                          {"policy.dtype": "bfloat16", "quantization.bits": 8}),
     "reward_weights": ([1.0, 0.5], {"task.reward_weights": [1.0, 0.5]}),
     "mask_truncated_completions": (True, {"train.truncated": "drop"}),
     "report_to": ("tensorboard", {"report_to": ["tensorboard"]}),
@@ -169,6 +172,12 @@ def test_the_lr_schedule_and_weight_decay_of_a_trl_snippet():
           "num_generations": 8, "generation_batch_size": 24}, (4, 8, 3, 1, 3)),
         # A generation for two steps.
         ({"per_device_train_batch_size": 8, "steps_per_generation": 2}, (8, None, 1, None, 2)),
+        # 3 completions a pass, prompts of 8, no common factor: single completions, three a
+        # step, their statistics from their generation's 8.
+        ({"per_device_train_batch_size": 3, "num_generations": 8, "generation_batch_size": 24},
+         (1, 8, 3, None, 3)),
+        ({"per_device_train_batch_size": 1, "gradient_accumulation_steps": 3,
+          "num_generations": 8, "steps_per_generation": 8}, (1, 8, 3, 1, 1)),
     ],
 )  # fmt: skip
 def test_trls_batches_as_tbas(arguments, expected):
@@ -192,8 +201,6 @@ def test_trls_batches_as_tbas(arguments, expected):
         ({"num_generations": 3}, "generation_batch_size=8 (per_device_train_batch_size"),
         ({"per_device_train_batch_size": 1, "num_generations": 8},
          "must be a multiple of num_generations=8"),
-        ({"per_device_train_batch_size": 3, "num_generations": 8, "generation_batch_size": 24},
-         "have no common group of 2 or more"),
         ({"generation_batch_size": 16, "steps_per_generation": 2}, "set one of them"),
         ({"generation_batch_size": 12}, "multiple of per_device_train_batch_size=8"),
         ({"num_generations": 1}, "num_generations=1: a group needs 2 or more"),
@@ -258,7 +265,12 @@ def test_tba_overrides_win_over_the_script_and_its_epochs(monkeypatch):
         ({"report_to": "mlflow"}, "report_to='mlflow': tba reports to tensorboard, wandb, trackio"),
         ({"lr_scheduler": 1}, "unknown setting 'lr_scheduler': not a tba section nor a GRPOConfig"),
         ({"model_init_kwargs": {"quantization_config": object()}},
-         "model_init_kwargs=.*tba trains and samples the policy unquantized"),
+         "model_init_kwargs=.*a BitsAndBytesConfig .or its dict. is what tba takes"),
+        ({"model_init_kwargs": {"quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, llm_int8_skip_modules=["q_proj"])}},
+         "model_init_kwargs=.*with llm_int8_skip_modules=\\['q_proj'\\]: tba takes 4 or 8"),
+        ({"model_init_kwargs": {"quantization_config": {"quant_method": "gptq", "bits": 4}}},
+         "quant_method=gptq: tba quantizes with bitsandbytes"),
         ({"learning_rate": 1e-5, "train": {"learning_rate": 1e-4}},
          "train.learning_rate is set twice: by learning_rate=1e-05 and in train"),
         ({"train": {"beta": -1}}, "invalid value for train.beta: Input should be greater than 0"),
@@ -272,6 +284,27 @@ def test_an_error_names_what_the_script_wrote_in_one_line(arguments, message):
     assert name in str(error.value)
     if name != "train":  # never only a key of tba's that the script did not write
         assert not str(error.value).startswith(("invalid value for", "unknown config key"))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "expected"),
+    [
+        (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16),
+         ({"bits": 4, "quant_type": "nf4", "double_quant": True}, "bfloat16")),
+        (BitsAndBytesConfig(load_in_4bit=True),  # bitsandbytes' own defaults: fp4, float32
+         ({"bits": 4, "quant_type": "fp4", "double_quant": False}, "float32")),
+        ({"load_in_8bit": True, "quant_method": "bitsandbytes"},
+         ({"bits": 8, "quant_type": "nf4", "double_quant": False}, "float32")),
+    ],
+)  # fmt: skip
+def test_a_bitsandbytes_quantization_config_is_tbas_quantization(quantization, expected):
+    """QLoRA's model_init_kwargs: the quantization section, its 4-bit compute dtype as the
+    policy's dtype, unless the script's dtype says otherwise."""
+    config = TBAConfig(model_init_kwargs={"quantization_config": quantization})
+    assert (config.quantization.model_dump(), config.policy.dtype) == expected
+    typed = TBAConfig(model_init_kwargs={"quantization_config": quantization, "dtype": "float32"})
+    assert typed.policy.dtype == "float32"
 
 
 def test_trackio_is_reported_to_when_installed(monkeypatch):

@@ -300,9 +300,11 @@ def test_reward_functions_log_metrics_as_trls_log_metric():
     assert scores.metrics == {"answers/long": 0.75}
 
 
-def test_a_quantized_model_is_refused_in_one_line(tmp_path, tiny_model, tokenizer):
+def test_a_quantized_model_of_nowhere_is_refused_in_one_line(tmp_path, tiny_model, tokenizer):
+    """Every process loads a quantized base alike, from where it came: a model built in memory
+    has no such place (tests/test_qlora.py runs one that has)."""
     tiny_model.config.quantization_config = {"load_in_4bit": True}
-    with pytest.raises(ConfigError, match="the model is quantized: tba trains and samples"):
+    with pytest.raises(ConfigError, match="the model is quantized and was not loaded from a "):
         TBATrainer(tiny_model, lambda completions, **k: [0.0] * len(completions),
                    args=TBAConfig(output_dir=str(tmp_path / "run")), train_dataset=rows(),
                    processing_class=tokenizer)  # fmt: skip
@@ -332,3 +334,27 @@ def test_a_generation_of_half_steps_serves_two_steps_without_replay(tmp_path, po
     assert result.metrics["groups_fresh"] == 4
     assert result.metrics["train_samples_per_second"] * result.metrics["train_runtime"] == \
         pytest.approx(4 * 4)  # fmt: skip
+
+
+def test_single_completions_a_step_keep_their_generations_statistics(tmp_path, policy_dir):
+    """1 completion a pass, 3 passes, prompts of 8: P * A and G share no factor, as TRL allows
+    with steps_per_generation=8. Each step trains on 3 fresh completions, never one twice, and
+    a generation of 8 serves 8/3 steps."""
+    config = TBAConfig(
+        per_device_train_batch_size=1, gradient_accumulation_steps=3, num_generations=8,
+        steps_per_generation=8, output_dir=str(tmp_path / "run"),
+        train={"mode": "sync", "max_steps": 8}, searchers={"count": 0},
+        policy={"max_new_tokens": 8, "num_threads": 1}, task={"num_eval": 4},
+    )  # fmt: skip
+    assert (config.train.group_size, config.train.num_prompts) == (1, 3)
+    result = TBATrainer(str(policy_dir), lambda completions, **k: [float(len(c)) for c in
+                                                                  completions],
+                        args=config, train_dataset=rows()).train()  # fmt: skip
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    # 24 completions in 8 steps: three generations, each completion trained once.
+    assert sum(r["generations"] for r in steps) == 3
+    assert result.metrics["groups_reused"] == 0 and result.metrics["groups_fresh"] == 24
+    # Every trained completion's log Z comes from its generation's 8, each counted once: the
+    # first step trains 3 of one prompt's 8, the other 5 its context.
+    assert steps[0]["context_samples"] == 5
+    assert all(math.isfinite(r["loss"]) for r in steps)

@@ -9,7 +9,14 @@ and how their samples reach the buffer) and `tba.loop`, which wires them for a r
 (docs/design.md).
 """
 
-from tba.api import TBAConfig, TBATrainer
+import logging
+
+# bitsandbytes (QLoRA), imported by peft, warns at import on CPUs with AVX512-BF16 that an
+# optional package of faster kernels is missing, and at every 8-bit product that it rounds its
+# input to float16, as its int8 products do: nothing for a user to act on.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+from tba.api import TBAConfig, TBATrainer  # noqa: E402 - after the logger is quiet
 
 __version__ = "0.1.0"
 __all__ = ["TBAConfig", "TBATrainer"]

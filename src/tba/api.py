@@ -46,7 +46,7 @@ from tba.quiet import quiet_libraries
 from tba.rewards.scorer import check_reward_weights
 from tba.run_dir import RunExistsError, read_metrics
 from tba.tasks.custom import custom_task, prepare_rows, reward_functions
-from tba.trl_args import TOGETHER, TRACKERS, TrlSettings, from_trl
+from tba.trl_args import TOGETHER, TRACKERS, TrlSettings, from_trl, quantization_settings
 
 OVERRIDES_VARIABLE = "TBA_OVERRIDES"
 
@@ -249,10 +249,14 @@ class TBATrainer:
         self.task = custom_task(train_rows, eval_rows, functions, eval_func=eval_func,
                                 num_eval=config.task.num_eval, conversational=chat)  # fmt: skip
         self._save_policy: Callable[[Path], None] | None = None
+        quantization = None
         if isinstance(model, str | Path):
             policy = str(model)
+        elif (quantization := _quantization_of(model)) is not None:
+            # Its weights are quantized from where it was loaded, by every process alike.
+            peft_config = peft_config or _adapters_of(model)
+            policy = model.name_or_path
         else:
-            _refuse_quantized(model)
             peft_config = peft_config or _adapters_of(model)
             tokenizer = processing_class or AutoTokenizer.from_pretrained(model.name_or_path)
             self._save_policy = partial(_save_base_model, model, tokenizer)
@@ -262,6 +266,10 @@ class TBATrainer:
                      "eval_func": _describe(eval_func) if eval_func else None},
             "policy": {"model": policy, "chat_template": config.policy.chat_template or chat},
         }  # fmt: skip
+        if quantization is not None:
+            updates["policy"]["dtype"] = quantization.pop("policy.dtype", config.policy.dtype)
+            updates["quantization"] = {k.removeprefix("quantization."): v
+                                       for k, v in quantization.items()}  # fmt: skip
         if peft_config is not None:
             updates["lora"] = _lora_settings(peft_config)
         data = config.model_dump()
@@ -389,14 +397,21 @@ def _nested(values: dict[str, Any], dotted: str) -> Any:
     return values
 
 
-def _refuse_quantized(model: Any) -> None:
-    """A model loaded with a quantization_config: tba trains and samples full weights."""
-    if getattr(model, "is_quantized", False) or getattr(
-            getattr(model, "config", None), "quantization_config", None) is not None:  # fmt: skip
-        raise ConfigError("the model is quantized: tba trains and samples the policy "
-                          "unquantized (its weights go from the trainer to the searchers); load "
-                          "it without quantization_config, or use LoRA (peft_config) to save "
-                          "memory")  # fmt: skip
+def _quantization_of(model: Any) -> dict[str, Any] | None:
+    """The tba settings of a model loaded with a quantization_config (None: full weights). The
+    run loads it again, quantized alike, from where it came (`name_or_path`)."""
+    quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quantization is None:
+        return None
+    try:
+        settings = quantization_settings(quantization)
+    except ValueError as error:
+        raise ConfigError(f"the model is quantized: {error}") from None
+    if not model.name_or_path:
+        raise ConfigError("the model is quantized and was not loaded from a directory or the "
+                          "Hub: pass its name, with model_init_kwargs={'quantization_config': "
+                          "...}, so that every process loads it alike")  # fmt: skip
+    return settings
 
 
 def _write_model_card(final: Path, repo_id: str, config: RunConfig, card: dict[str, Any]) -> None:

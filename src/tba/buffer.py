@@ -341,11 +341,12 @@ class ReplayBuffer:
         samples left after its first group (many samples per visit, or a task with a single
         prompt) gives fresh groups again. With `context`, `batch.context` gives each fresh group
         the other samples of the prompt that its generation made (trained before, or left for
-        later steps), and each replayed group none."""
+        later steps), and each replayed group none, unless it is a single sample (a group of
+        one, `group_size=1`, takes its statistics from its generation)."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        if group_size < 2:
-            raise ValueError(f"group_size must be >= 2, got {group_size}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
         if self._size == 0:
             raise ValueError("cannot sample from an empty replay buffer")
         fresh_pools = self._fresh_pools(group_size)
@@ -373,6 +374,8 @@ class ReplayBuffer:
                 if prompt_id is None:  # more groups than prompts
                     prompt_id = _repeat_prompt(replay_pools, rng)
                 seqs = self._replay_group(prompt_id, group_size, rng)
+                if context and len(seqs) == 1:
+                    siblings = self._same_generation(prompt_id, seqs)
             if context:
                 batch.context.append(siblings)
             used[prompt_id] = None
@@ -394,13 +397,14 @@ class ReplayBuffer:
     def _fresh_pools(self, group_size: int) -> list[_PromptPool]:
         """Fresh prompts, most on-policy first: grouped by the version of the oldest sample of
         the group each would give (its K newest fresh ones), newest version first. Prompts with a
-        single sample only when no prompt has two (a group needs >= 2 distinct ones)."""
+        single sample only when no prompt has two (a group of K >= 2 needs >= 2 distinct
+        ones)."""
         by_version: dict[int, list[int]] = {}
         singles: list[int] = []
         for prompt_id, fresh in self._fresh.items():
             if not self._is_fresh(prompt_id, group_size):
                 continue
-            if len(fresh) < 2:
+            if len(fresh) < min(2, group_size):
                 singles.append(prompt_id)
                 continue
             samples = self._prompts[prompt_id]

@@ -4,7 +4,8 @@ A checkpoint is the run's state: one dict with each component's `state_dict()` u
 (`trainer`, `buffer`, `searchers`, `feed`, ...: `tba.loop.TrainLoop.state_dict`), stored as
 
 <run_dir>/checkpoints/step000120/
-    model.safetensors      state["trainer"]["model"]: the policy (with LoRA: base and adapters)
+    model.safetensors      state["trainer"]["model"]: the policy (with LoRA: base and adapters; with
+                           a quantized base only the adapters)
     optimizer.safetensors  state["trainer"]["optimizer"]: Adam's moments, fp32 master weights
     buffer.json.gz         state["buffer"]: the replay buffer, every sample in it
     state.json             everything else: step, weight version, schedule, RNG states, each

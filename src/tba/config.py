@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from tba.errors import ConfigError  # defined there; importable from here too
-from tba.objectives import BASELINE_KLS, OBJECTIVES, TRUST_REGIONS
+from tba.objectives import BASELINE_KLS, OBJECTIVES, ROW_MEAN_GROUP_OBJECTIVES, TRUST_REGIONS
 from tba.templates import template_fields
 
 
@@ -349,7 +349,10 @@ class TrainConfig(Section):
     )
     max_grad_norm: float = Field(1.0, gt=0, description="gradient norm clip")
     num_prompts: int = Field(8, ge=1, description="B: prompts (groups) per batch")
-    group_size: int = Field(16, ge=2, description="K: responses per prompt in a batch")
+    group_size: int = Field(
+        16, ge=1, description="K: responses per prompt in a batch (1 only with "
+        "group_baseline=generation: a group's statistics then come from its generation)",
+    )
     samples_per_prompt: int | None = Field(
         None, ge=2, description="S >= K: responses generated per prompt visit (default: K)"
     )
@@ -358,7 +361,8 @@ class TrainConfig(Section):
         "log Z (tb) or baseline (grpo, dr_grpo, rloo, proximal_rloo) comes from its K trained "
         "samples, or from all the samples of the prompt that the same generation made, those "
         "not trained at this step entering without gradient (TRL's advantages over "
-        "num_generations; costs a forward pass over them)",
+        "num_generations; costs a forward pass over them; the loss logged is then the mean over "
+        "all of them)",
     )
     beta: float = Field(0.05, gt=0, description="KL coefficient; the start value when annealed")
     beta_end: float | None = Field(None, gt=0, description="anneal beta linearly to this value")
@@ -406,6 +410,14 @@ class TrainConfig(Section):
                 f"samples_per_prompt ({self.samples_per_prompt}) must be >= group_size "
                 f"({self.group_size})"
             )
+        if self.group_size == 1 and (self.group_baseline != "generation"
+                                     or (self.samples_per_prompt or 1) < 2
+                                     or self.loss not in ROW_MEAN_GROUP_OBJECTIVES):  # fmt: skip
+            raise ValueError("train.group_size=1 compares a response with nothing: use 2 or "
+                             "more, or train.samples_per_prompt >= 2 with "
+                             "train.group_baseline=generation and a loss with group statistics ("
+                             + ", ".join(ROW_MEAN_GROUP_OBJECTIVES) + "): its generation's other "
+                             "responses then make the group's statistics")  # fmt: skip
         if self.beta_start_frac > self.beta_end_frac:
             raise ValueError("beta_start_frac must be <= beta_end_frac")
         if self.max_steps is None and self.num_epochs is None and self.max_minutes is None:
@@ -431,6 +443,25 @@ class LoraConfig(Section):
     target_modules: str | list[str] = Field(
         "all-linear", description="modules that get an adapter: `all-linear` (every linear "
         "layer but the output head), a list of module names, or a regex of full names",
+    )
+
+
+class QuantizationConfig(Section):
+    """QLoRA: the base weights loaded quantized by bitsandbytes (`pip install bitsandbytes`), in
+    the trainer and in every searcher, and frozen; LoRA adapters (lora.r > 0) train on them in
+    fp32 and are all that moves to the searchers. Saved policies (final/, snapshots) are the
+    base weights dequantized with the adapters merged in."""
+
+    bits: Literal[0, 4, 8] = Field(
+        0, description="0: full weights; 4 or 8: the base's linear layers (not the output head) "
+        "in that many bits, computing in policy.dtype",
+    )
+    quant_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="bits=4: NormalFloat (QLoRA's) or plain 4-bit floats"
+    )
+    double_quant: bool = Field(
+        False, description="bits=4: also quantize the quantization constants (about 0.4 bits a "
+        "weight less)",
     )
 
 
@@ -619,6 +650,7 @@ class RunConfig(Section):
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
+    quantization: QuantizationConfig = QuantizationConfig()
     buffer: BufferConfig = BufferConfig()
     searchers: SearchersConfig = SearchersConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -653,6 +685,10 @@ class RunConfig(Section):
             raise ValueError("train.group_baseline=generation runs its extra forward passes on "
                              "one trainer process: set trainer.world_size=1, or "
                              "train.group_baseline=trained")  # fmt: skip
+        if self.quantization.bits and self.searchers.engine == "vllm":
+            raise ValueError(f"quantization.bits={self.quantization.bits}: the searchers' vLLM "
+                             "engine takes full weights; use searchers.engine=builtin, or "
+                             "quantization.bits=0")  # fmt: skip
         if self.train.loss == "ppo" and ranks > 1:
             raise ValueError("train.loss=ppo trains on one rank (its critic is not sharded): set "
                              "trainer.world_size=1")  # fmt: skip

@@ -56,6 +56,7 @@ from tba.peak_memory import PeakMemory
 from tba.plots import plot_curves
 from tba.policy.engines import require_vllm
 from tba.policy.model import check_devices, save_policy, snapshot_weights
+from tba.policy.quantization import check_quantization
 from tba.policy.tokenizer import load_tokenizer
 from tba.rewards.scorer import check_reward_weights
 from tba.rng import RandomState
@@ -157,6 +158,7 @@ def _train(
     if config.searchers.engine == "vllm":
         require_vllm()
     check_devices(config)
+    check_quantization(config)
     checkpoint = None
     if resume:  # the directory is ours and the checkpoint fits before any task world is built
         run_dir = owner.enter_context(own_run_dir(Path(config.output_dir)))

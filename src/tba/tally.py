@@ -43,8 +43,10 @@ class Tally:
             "fresh_groups": batch.fresh,
             "reused_groups": batch.reused,
             "repeated_groups": batch.repeated,
-            # Samples that entered their group's statistics only (`train.group_baseline`).
-            **({"context_samples": sum(map(len, batch.context))} if batch.context else {}),
+            # Samples that entered their group's statistics only (`train.group_baseline`),
+            # each once: groups of a prompt drawn together share their generation's others.
+            **({"context_samples": len({id(s) for c in batch.context for s in c}
+                                       - {id(s) for s in samples})} if batch.context else {}),
         }
 
     def time(self, **seconds: float) -> float:

@@ -57,7 +57,7 @@ from tba.objectives import (
 from tba.objectives.ppo import step_index, vine_advantages
 from tba.objectives.schedules import lr_factor, warmup_steps_for
 from tba.policy.logprobs import token_logprobs_and_states
-from tba.policy.model import get_weights
+from tba.policy.model import checkpoint_state, get_weights, load_checkpoint_state
 from tba.policy.precision import MasterWeights
 from tba.policy.values import Critic
 
@@ -360,7 +360,7 @@ class Trainer(WeightVersions):
             if master is not param:  # fp32 masters of bf16 weights: rounding would lose them
                 tensors[f"master.{index}"] = master.detach()
         state = {
-            "model": dict(self.model.state_dict()),
+            "model": dict(checkpoint_state(self.model)),
             "optimizer": tensors,
             "param_groups": optimizer["param_groups"],
             "optimizer_scalars": scalars,
@@ -377,7 +377,7 @@ class Trainer(WeightVersions):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        load_checkpoint_state(self.model, state["model"])
         optimizer: dict[int, dict] = {}
         head: dict[str, torch.Tensor] = {}
         critic: dict[str, torch.Tensor] = {}
@@ -407,6 +407,7 @@ class Trainer(WeightVersions):
         objective's own over the groups' members, `context` included)."""
         if context and self.loss not in ROW_MEAN_GROUP_OBJECTIVES:
             raise ValueError(f"{self.loss} has no group statistics for context samples to enter")
+        context = _distinct_context(context, trained)
         flat = trained + context
         device = next(self.model.parameters()).device
         ref_logp = torch.tensor([s.ref_logp for s in flat], device=device)
@@ -450,11 +451,15 @@ class Trainer(WeightVersions):
                 step_advantages=step_advantages,
             )
         )  # fmt: skip
-        # Context rows' log-probs are detached: each adds a constant to the loss and nothing to
-        # its gradient. Every objective that takes them is a mean over rows, so this factor makes
-        # the gradient that of the mean over the trained rows, their groups' statistics whole.
-        loss = loss * (len(flat) / len(trained))
-        return loss, {**{key: float(value) for key, value in stats.items()}, **drift}
+        stats = {**{key: float(value) for key, value in stats.items()}, **drift}
+        if context:
+            # Context rows' log-probs are detached: each adds a constant to the loss and nothing
+            # to its gradient. Every objective that takes them is a mean over rows, so this factor
+            # makes the gradient that of the mean over the trained rows, their groups'
+            # statistics whole; the loss reported is the mean over the groups' members.
+            stats["loss"] = loss.item()
+            loss = loss * (len(flat) / len(trained))
+        return loss, stats
 
     def _token_logprobs(
         self, samples: list[Sample]
@@ -469,6 +474,19 @@ def micro_batch_split(groups: list[list[Sample]], chunk: int) -> list[list[Sampl
     """Consecutive runs of `chunk` groups, each flattened into one micro-batch."""
     return [[s for group in groups[first : first + chunk] for s in group]
             for first in range(0, len(groups), chunk)]  # fmt: skip
+
+
+def _distinct_context(context: list[Sample], trained: list[Sample]) -> list[Sample]:
+    """Each context sample once, and none that the micro-batch trains on: groups of one prompt
+    drawn from one generation in the same micro-batch (parts of a group split across steps)
+    share their generation's other samples, and each enters the group's statistics once."""
+    seen = {id(s) for s in trained}
+    distinct = []
+    for s in context:
+        if id(s) not in seen:
+            seen.add(id(s))
+            distinct.append(s)
+    return distinct
 
 
 def _stack_padded(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:

@@ -140,22 +140,67 @@ MODEL_PLUMBING = ("attn_implementation", "device_map", "low_cpu_mem_usage", "use
 
 
 def _model_init(value: Any) -> dict[str, Any]:
-    """model_init_kwargs: the dtype has a tba equivalent, the loader's plumbing no effect."""
+    """model_init_kwargs: the dtype and a bitsandbytes quantization_config have tba
+    equivalents, the loader's plumbing no effect."""
     value = dict(value or {})
-    if value.get("quantization_config") is not None:
-        raise ValueError("tba trains and samples the policy unquantized (its weights go from "
-                         "the trainer to the searchers); load the model without "
-                         "quantization_config, or use LoRA (peft_config) to save memory")
     dtype = value.pop("dtype", value.pop("torch_dtype", None))
-    other = [key for key in value if key not in (*MODEL_PLUMBING, "quantization_config")]
+    quantization = value.pop("quantization_config", None)
+    other = [key for key in value if key not in MODEL_PLUMBING]
     if other:
         raise ValueError(f"tba loads models itself and takes no {', '.join(other)} (only a "
-                         "dtype, and the loader's plumbing: " + ", ".join(MODEL_PLUMBING) + ")")
-    if dtype is None or str(dtype) in ("auto", "torch.float32", "float32"):
-        return {}
-    if str(dtype) in ("bfloat16", "torch.bfloat16"):
-        return {"policy.dtype": "bfloat16"}
-    raise ValueError(f"the dtype {dtype!r}: tba's weights are float32 or bfloat16")
+                         "dtype, a quantization_config, and the loader's plumbing: "
+                         + ", ".join(MODEL_PLUMBING) + ")")  # fmt: skip
+    settings = quantization_settings(quantization) if quantization is not None else {}
+    if dtype is not None:  # the model's dtype, over the quantization's compute dtype
+        settings.pop("policy.dtype", None)
+        if str(dtype) in ("bfloat16", "torch.bfloat16"):
+            settings["policy.dtype"] = "bfloat16"
+        elif str(dtype) not in ("auto", "torch.float32", "float32"):
+            raise ValueError(f"the dtype {dtype!r}: tba's weights are float32 or bfloat16")
+    return settings
+
+
+# BitsAndBytesConfig's settings that tba's quantization section does not offer, at their defaults.
+BNB_FIXED = {"llm_int8_threshold": 6.0, "llm_int8_skip_modules": None,
+             "llm_int8_enable_fp32_cpu_offload": False, "llm_int8_has_fp16_weight": False,
+             "bnb_4bit_quant_storage": "uint8"}  # fmt: skip
+
+
+def quantization_settings(quantization: Any) -> dict[str, Any]:
+    """A transformers quantization config (object or dict) as tba's `quantization` section:
+    bitsandbytes' 4 or 8 bits; its 4-bit compute dtype as policy.dtype."""
+    if hasattr(quantization, "to_dict"):
+        values = quantization.to_dict()
+    elif isinstance(quantization, dict):
+        values = dict(quantization)
+    else:
+        raise ValueError("quantization_config: a BitsAndBytesConfig (or its dict) is what tba "
+                         "takes")  # fmt: skip
+    method = str(getattr(values.get("quant_method"), "value", values.get("quant_method")))
+    if method not in ("None", "bitsandbytes"):
+        raise ValueError(f"quantization_config with quant_method={method}: tba quantizes with "
+                         "bitsandbytes (BitsAndBytesConfig) only")  # fmt: skip
+    changed = [f"{key}={values[key]!r}" for key, default in BNB_FIXED.items()
+               if key in values and values[key] != default]  # fmt: skip
+    if changed:
+        raise ValueError(f"quantization_config with {', '.join(changed)}: tba takes 4 or 8 bits, "
+                         "the 4-bit type and double quantization, and the compute dtype")
+    if values.get("load_in_8bit"):
+        return {"quantization.bits": 8}
+    if not values.get("load_in_4bit"):
+        raise ValueError("quantization_config loads neither in 4 nor in 8 bits")
+    settings: dict[str, Any] = {
+        "quantization.bits": 4,
+        "quantization.quant_type": values.get("bnb_4bit_quant_type", "fp4"),
+        "quantization.double_quant": bool(values.get("bnb_4bit_use_double_quant", False)),
+    }
+    compute = str(values.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
+    if compute == "bfloat16":
+        settings["policy.dtype"] = "bfloat16"
+    elif compute != "float32":
+        raise ValueError(f"quantization_config with bnb_4bit_compute_dtype={compute}: tba "
+                         "computes in float32 or bfloat16")  # fmt: skip
+    return settings
 
 
 def _hub(what: str, key: str) -> Mapped:
@@ -250,10 +295,10 @@ TRL_ARGUMENTS: dict[str, Mapped | Ignored | Refused] = {
     "fp16": Refused("use bf16=True (policy.dtype=bfloat16)", _same(False)),
     "use_cpu": Mapped("policy.device, searchers.device, task.reward_device = cpu", _cpu),
     "no_cuda": Mapped("policy.device, searchers.device, task.reward_device = cpu", _cpu),
-    "model_init_kwargs": Mapped("policy.dtype", _model_init,
-                                "its dtype; the loader's plumbing (" + ", ".join(MODEL_PLUMBING)
-                                + ") has no effect; a quantization_config is refused: the "
-                                "weights go unquantized from the trainer to the searchers"),
+    "model_init_kwargs": Mapped("policy.dtype, quantization", _model_init,
+                                "its dtype; a bitsandbytes quantization_config (QLoRA, with "
+                                "peft_config) as the quantization section; the loader's "
+                                "plumbing (" + ", ".join(MODEL_PLUMBING) + ") has no effect"),
     "disable_dropout": Refused("tba always disables dropout: the trainer's log-probs must be the "
                                "searchers'", _same(True)),
     "trust_remote_code": Refused("tba loads models without remote code", _same(False)),
@@ -410,15 +455,15 @@ def from_trl(arguments: dict[str, Any], defaults: dict[str, Any] = TRL_DEFAULTS)
                               "argument (docs/trl.md lists them)")  # fmt: skip
         if isinstance(entry, Refused):
             if not entry.unless(value):
-                raise ConfigError(f"{name}={value!r} has no tba equivalent: {entry.reason}")
+                raise ConfigError(f"{name}={_shown(value)} has no tba equivalent: {entry.reason}")
         elif isinstance(entry, Ignored):
-            result.ignored.append(f"{name}={value!r}")
+            result.ignored.append(f"{name}={_shown(value)}")
         elif entry is not _BATCH:
             try:
                 converted = entry.convert(value)
             except ValueError as error:
-                raise ConfigError(f"{name}={value!r}: {error}") from None
-            _add(result, converted, f"{name}={value!r}", given=name in arguments)
+                raise ConfigError(f"{name}={_shown(value)}: {error}") from None
+            _add(result, converted, f"{name}={_shown(value)}", given=name in arguments)
     batch = {name: values[name] for name in BATCH_ARGUMENTS if name in values}
     if batch:
         given = [f"{name}={value!r}" for name, value in batch.items() if name in arguments]
@@ -442,6 +487,12 @@ def _add(result: TrlSettings, settings: dict[str, Any], source: str, given: bool
             result.defaulted.add(key)
 
 
+def _shown(value: Any) -> str:
+    """A value as the script wrote it, on one line (a quantization config prints on many)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def batch_settings(arguments: dict[str, Any]) -> dict[str, Any]:
     """TRL's batch as tba's.
 
@@ -455,10 +506,11 @@ def batch_settings(arguments: dict[str, Any]) -> dict[str, Any]:
     prompt, groups kept whole in the loss (each group's log Z, or baseline, comes from all of
     its members). So the trained part of a group is the largest that divides both P * A and G,
     K = gcd(P * A, G): G when P * A is a multiple of G, else a part of a prompt's G completions
-    (train.samples_per_prompt = G), the other parts trained at the next steps; as in TRL, the
-    group's statistics still come from all G (train.group_baseline = generation: the G - K not
-    trained at a step enter its log Z or baseline without gradient). B = P * A / K groups a
-    step, max(1, P // K) a pass;
+    (train.samples_per_prompt = G; K = 1 when P * A and G share no factor), the other parts
+    trained at the same or the next steps; as in TRL, the group's statistics still come from
+    all G (train.group_baseline = generation: the G completions not trained on at a step enter
+    its log Z or baseline without gradient, each once). B = P * A / K groups a step,
+    max(1, P // K) a pass;
     searchers.prompts_per_batch = generation_batch_size / G prompts a generation, and in the
     synchronous mode a generation only when the buffer holds fewer fresh groups than a step
     takes (train.sync_generate=when_needed), so that every step trains on fresh completions, as
@@ -491,11 +543,6 @@ def batch_settings(arguments: dict[str, Any]) -> dict[str, Any]:
                           "TRL)")  # fmt: skip
     per_step = per_pass * passes
     size = math.gcd(per_step, group)
-    if size < 2:
-        raise ConfigError(f"per_device_train_batch_size={per_pass} * gradient_accumulation_steps"
-                          f"={passes} completions a step and num_generations={group} have no "
-                          "common group of 2 or more completions, which a step needs to compare "
-                          "completions of a prompt")  # fmt: skip
     groups = per_step // size
     per_micro_batch = max(1, per_pass // size)
     settings: dict[str, Any] = {

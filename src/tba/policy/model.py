@@ -11,16 +11,25 @@ copy of the base weights with the same adapters, and only the adapter tensors tr
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import peft
 import torch
+from huggingface_hub import save_torch_state_dict
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from tba.config import LoraConfig, RunConfig, check_searcher_devices, cuda_index
+from tba.config import LoraConfig, QuantizationConfig, RunConfig, check_searcher_devices, cuda_index
 from tba.errors import ConfigError, first_line
+from tba.policy.quantization import (
+    bnb_config,
+    dequantized_weight,
+    is_quantized,
+    keep_trainable_layout,
+    packed_layers,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -132,15 +141,24 @@ def build_tiny_llama(
 
 
 def load_model(
-    path: str, device: torch.device | str, dtype: torch.dtype = torch.float32
-) -> PreTrainedModel:
-    """Load a causal LM saved with `save_pretrained` (or any Hugging Face model id); one that
-    cannot be loaded is one line (`ConfigError`) naming it and why."""
+    path: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
+    quantization: QuantizationConfig | None = None,
+) -> PreTrainedModel:  # fmt: skip
+    """Load a causal LM saved with `save_pretrained` (or any Hugging Face model id), quantized
+    when `quantization.bits` > 0; one that cannot be loaded is one line (`ConfigError`) naming it
+    and why."""
+    quantized = bnb_config(quantization, dtype) if quantization is not None else None
+    # A quantized model is placed while it loads, and not moved after.
+    placement = {"quantization_config": quantized, "device_map": {"": torch.device(device)}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     **placement if quantized else {})
     except Exception as error:  # missing, incomplete, damaged or unknown: all one line to a user
         raise ConfigError(f"cannot load a causal LM from {path}: {first_line(error)}") from None
-    return model.to(device)
+    if not quantized:
+        return model.to(device)
+    keep_trainable_layout(model)
+    return model
 
 
 def load_policy(
@@ -150,10 +168,12 @@ def load_policy(
     dtype: str = "float32",
     lora: LoraConfig | None = None,
     gradient_checkpointing: bool = False,
+    quantization: QuantizationConfig | None = None,
 ) -> PreTrainedModel:
     """The policy as trainer and searchers hold it: in `dtype`, with adapters when `lora.r > 0`
-    (fresh adapters leave the model's outputs unchanged: their B matrix starts at zero)."""
-    model = load_model(path, device, DTYPES[dtype])
+    (fresh adapters leave the model's outputs unchanged: their B matrix starts at zero), its
+    base quantized when `quantization.bits > 0` (`tba.policy.quantization`)."""
+    model = load_model(path, device, DTYPES[dtype], quantization)
     disable_dropout(model)
     if gradient_checkpointing:
         enable_checkpointing(model)
@@ -267,15 +287,21 @@ def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The policy as one plain model's state dict; with LoRA, the base weights with the adapters
     merged in (W + alpha/r * B A, computed in fp32 and kept in fp32), without touching the model,
-    so that the keys and the shapes are those of the base model."""
+    so that the keys and the shapes are those of the base model. A quantized base's weights are
+    dequantized (fp32), and their quantization constants left out."""
     if not is_lora(model):
         return model.state_dict()
     base = model.get_base_model()
+    packed = packed_layers(base)
+    constants = tuple(f"{name}." for name in packed)  # and their weight and bias
+    kept = {f"{name}.{part}" for name in packed for part in ("weight", "bias")}
     state = {
         name.replace(".base_layer.", "."): tensor
         for name, tensor in base.state_dict().items()
-        if ".lora_" not in name
+        if ".lora_" not in name and (name in kept or not name.startswith(constants))
     }
+    for name, layer in packed.items():
+        state[f"{name}.weight".replace(".base_layer.", ".")] = dequantized_weight(layer)
     with torch.no_grad():
         for name, module in base.named_modules():
             if isinstance(module, LoraLayer):
@@ -301,5 +327,29 @@ def save_policy(model: PreTrainedModel, path: Path) -> None:
     if not is_lora(model):
         model.save_pretrained(path)
         return
-    model.get_base_model().save_pretrained(path, state_dict=policy_state_dict(model))
+    base = model.get_base_model()
+    if is_quantized(base):  # saved as the plain model its weights now make
+        config = copy.deepcopy(base.config)
+        del config.quantization_config
+        config.save_pretrained(path)
+        base.generation_config.save_pretrained(path)
+        save_torch_state_dict(policy_state_dict(model), path)
+    else:
+        base.save_pretrained(path, state_dict=policy_state_dict(model))
     model.save_pretrained(path / "adapter")
+
+
+def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's part of a checkpoint: its state dict, or with a quantized base only the
+    adapters (the frozen base reloads from policy.model as it was)."""
+    if is_quantized(unwrapped(model)):
+        return peft.get_peft_model_state_dict(model)
+    return model.state_dict()
+
+
+def load_checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Adopt what `checkpoint_state` gave."""
+    if is_quantized(unwrapped(model)):
+        peft.set_peft_model_state_dict(model, state)
+    else:
+        model.load_state_dict(state)

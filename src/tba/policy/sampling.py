@@ -37,6 +37,7 @@ from tba.policy.kv_cache import (
     supports_static_cache,
 )
 from tba.policy.model import unwrapped
+from tba.policy.quantization import is_quantized
 
 SamplerKind = Literal["auto", "loop", "static", "compiled"]
 
@@ -358,8 +359,11 @@ def _generation(
 
 
 def compiles_whole(model: PreTrainedModel) -> bool:
-    """Whether Hugging Face declares this model's forward compilable as one graph."""
-    return bool(getattr(unwrapped(model), "_can_compile_fullgraph", False))
+    """Whether Hugging Face declares this model's forward compilable as one graph (a quantized
+    model is left to the loop: bitsandbytes' layers inside a compiled decode step are untested
+    here)."""
+    model = unwrapped(model)
+    return bool(getattr(model, "_can_compile_fullgraph", False)) and not is_quantized(model)
 
 
 def resolve_sampler(model: PreTrainedModel, kind: SamplerKind) -> str:

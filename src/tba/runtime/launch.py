@@ -38,6 +38,7 @@ def open_trainer(
         model = load_policy(
             str(policy_dir), resolve_device(config.policy.device), dtype=config.policy.dtype,
             lora=config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
+            quantization=config.quantization,
         )  # fmt: skip
         yield Trainer(model, **trainer_settings(config, pad_id, total_steps))
         return
@@ -78,7 +79,7 @@ def open_searchers(
         shared = trainer is not None and shares_trainer_model(config, trainer)
         model = trainer.model if shared else load_policy(
             str(policy_dir), resolve_device(config.searchers.device), dtype=config.policy.dtype,
-            lora=config.lora,
+            lora=config.lora, quantization=config.quantization,
         )  # fmt: skip
         searcher = Searcher(
             model, tokenizer, task.train_rows, task.reward_fns,

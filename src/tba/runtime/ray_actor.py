@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tba.config import LoraConfig
+from tba.config import LoraConfig, QuantizationConfig
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
 from tba.policy.model import load_policy, resolve_device
@@ -57,6 +57,7 @@ class SearcherActor:
         ledger_path: str | None = None,
         dtype: str = "float32",
         lora: LoraConfig | None = None,
+        quantization: QuantizationConfig | None = None,
     ) -> None:
         # Ray sets OMP_NUM_THREADS=1 in workers; the thread count is ours to choose.
         torch.set_num_threads(num_threads)
@@ -67,7 +68,8 @@ class SearcherActor:
         self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         quiet_libraries()
         tokenizer = load_tokenizer(policy_dir, chat_template=settings.chat_template)
-        model = load_policy(policy_dir, resolve_device(device), dtype=dtype, lora=lora)
+        model = load_policy(policy_dir, resolve_device(device), dtype=dtype, lora=lora,
+                            quantization=quantization)  # fmt: skip
         self.searcher = Searcher(
             model, tokenizer, rows, reward_fns, settings, searcher_id=searcher_id, seed=seed,
             incarnation=incarnation, stream_seed=stream_seed, stream_taken=stream_taken,

@@ -274,6 +274,7 @@ class RaySearchers(AsyncSearchers):
             stream_seed=searcher_seed(seed, i, 0), stream_taken=stream_taken,
             ledger_path=self._ledger_path(i, incarnation),
             dtype=self.config.policy.dtype, lora=self.config.lora,
+            quantization=self.config.quantization,
         )  # fmt: skip
 
     def _ledger_path(self, i: int, incarnation: int) -> str | None:
