@@ -14,10 +14,11 @@
   logits against the chunked computation tba uses (`tba.policy.chunked_logprobs`). Peak memory of
   the step and its time (median over `--steps`).
 - `--suite qwen`: one TB train step, then the searcher's reference scoring of the same batch,
-  on Qwen2.5 0.5B, 1.5B, 3B and 7B (public configurations, random weights, bf16), full fine-tuning
-  and LoRA, B x K = 8 x 16 responses of 256 tokens after 64-token prompts: peak device memory
-  (CUDA's allocator) of each, and which fit on the card. `--small` runs the same on a CPU with
-  narrow shapes, to try it.
+  on Qwen2.5 0.5B, 1.5B, 3B and 7B (public configurations, random weights, bf16), full
+  fine-tuning, LoRA and QLoRA (the base saved, then loaded back in 4 bits with double
+  quantization), B x K = 8 x 16 responses of 256 tokens after 64-token prompts: peak device
+  memory (CUDA's allocator) of each, and which fit on the card. `--small` runs the same on a CPU
+  with narrow shapes, to try it.
 
     python -m benchmarks.memory                          # roles: fp32, bf16; none, LoRA, QLoRA
     python -m benchmarks.memory --suite logprobs         # CPU, ~1 min
@@ -179,11 +180,14 @@ def measure_step(args: argparse.Namespace) -> dict:
     the same batch, each with its own peak."""
     device = resolve_device(args.device)
     config = qwen_config(args.shape, **(SMALL if args.small else {}))
-    model = random_qwen(config, device, DTYPES[args.dtype])
-    if args.rank:
-        model = add_lora(model, LoraConfig(r=args.rank))
-    if args.checkpointing:
-        enable_checkpointing(model)
+    if args.bits:
+        model = quantized_qwen(config, device, args)
+    else:
+        model = random_qwen(config, device, DTYPES[args.dtype])
+        if args.rank:
+            model = add_lora(model, LoraConfig(r=args.rank))
+        if args.checkpointing:
+            enable_checkpointing(model)
     if args.logprobs == "full":  # the plain computation everywhere, in place of the chunked one
         logprobs_module.output_layer = lambda model: None
     trainer = Trainer(model.train(), pad_id=0, temperature=1.0, learning_rate=1e-6,
@@ -215,16 +219,31 @@ def measure_step(args: argparse.Namespace) -> dict:
             "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in flat)}  # fmt: skip
 
 
+def quantized_qwen(config, device: torch.device, args: argparse.Namespace):
+    """QLoRA: a random model of `config` saved, then loaded back as a run loads it, its linear
+    layers quantized to `args.bits` (bitsandbytes quantizes while loading), with adapters."""
+    with tempfile.TemporaryDirectory() as directory:
+        model = random_qwen(config, device, DTYPES[args.dtype])
+        model.save_pretrained(directory)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return load_policy(directory, device, dtype=args.dtype, lora=LoraConfig(r=args.rank),
+                           gradient_checkpointing=args.checkpointing,
+                           quantization=QuantizationConfig(bits=args.bits, double_quant=True))
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def step_command(args: argparse.Namespace, shape: str, rank: int, checkpointing: bool,
-                 logprobs: str) -> list[str]:  # fmt: skip
+                 logprobs: str, bits: int = 0) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "benchmarks.memory", "--role", "step", "--shape", shape,
-        "--rank", str(rank), "--logprobs", logprobs, "--dtype", args.dtype, "--device", args.device,
+        "--rank", str(rank), "--bits", str(bits), "--logprobs", logprobs, "--dtype", args.dtype,
+        "--device", args.device,
         "--steps", str(args.steps), "--num-prompts", str(args.num_prompts),
         "--group-size", str(args.group_size), "--prompt-length", str(args.prompt_length),
         "--length", str(args.length), "--micro-batch-groups", str(args.micro_batch_groups or 0),
@@ -258,15 +277,16 @@ def logprobs_suite(args: argparse.Namespace) -> None:
           f"time {full['step_seconds'] / chunked['step_seconds']:.2f}x")  # fmt: skip
 
 
-QWEN_ROWS = [  # (shape, LoRA rank, gradient checkpointing)
-    ("qwen2.5-0.5b", 0, False), ("qwen2.5-0.5b", 0, True), ("qwen2.5-0.5b", 16, False),
-    ("qwen2.5-1.5b", 0, True), ("qwen2.5-1.5b", 16, True), ("qwen2.5-3b", 0, True),
-    ("qwen2.5-3b", 16, True), ("qwen2.5-7b", 0, True), ("qwen2.5-7b", 16, True),
+QWEN_ROWS = [  # (shape, LoRA rank, gradient checkpointing, bits of the base: QLoRA when > 0)
+    ("qwen2.5-0.5b", 0, False, 0), ("qwen2.5-0.5b", 0, True, 0), ("qwen2.5-0.5b", 16, False, 0),
+    ("qwen2.5-0.5b", 16, False, 4), ("qwen2.5-1.5b", 0, True, 0), ("qwen2.5-1.5b", 16, True, 0),
+    ("qwen2.5-3b", 0, True, 0), ("qwen2.5-3b", 16, True, 0), ("qwen2.5-7b", 0, True, 0),
+    ("qwen2.5-7b", 16, True, 0), ("qwen2.5-7b", 16, True, 4),
 ]  # fmt: skip
 
 
 def qwen_suite(args: argparse.Namespace) -> None:
-    """Qwen2.5 sizes, full and LoRA: the step's peak and whether it fits."""
+    """Qwen2.5 sizes, full, LoRA and QLoRA: the step's peak and whether it fits."""
     total = (torch.cuda.get_device_properties(0).total_memory / 2**30
              if torch.cuda.is_available() else None)  # fmt: skip
     card = torch.cuda.get_device_name(0) if total else "CPU (--small shapes)"
@@ -276,11 +296,12 @@ def qwen_suite(args: argparse.Namespace) -> None:
     print("| model | parameters | tuning | checkpointing | train step peak | reference scoring "
           "peak | step seconds |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for shape, rank, checkpointing in QWEN_ROWS:
+    for shape, rank, checkpointing, bits in QWEN_ROWS:
         if args.only and shape not in args.only:
             continue
-        result = run_step(args, shape, rank, checkpointing, "chunked")
-        tuning = f"LoRA r={rank}" if rank else "full"
+        result = run_step(args, shape, rank, checkpointing, "chunked", bits)
+        tuning = (f"QLoRA r={rank}, {bits}-bit base" if bits else f"LoRA r={rank}" if rank
+                  else "full")  # fmt: skip
         size = f"{result['parameters'] / 1e9:.2f}B"
         if result["oom"]:
             print(f"| {shape} | {size} | {tuning} | {checkpointing} | out of memory | | |",

@@ -358,3 +358,20 @@ def test_single_completions_a_step_keep_their_generations_statistics(tmp_path, p
     # first step trains 3 of one prompt's 8, the other 5 its context.
     assert steps[0]["context_samples"] == 5
     assert all(math.isfinite(r["loss"]) for r in steps)
+
+
+def test_single_completions_a_step_train_asynchronously(tmp_path, policy_dir):
+    """The same batches with a searcher process: every step's 3 completions enter with their
+    generations' others, a replayed single completion too."""
+    config = TBAConfig(
+        per_device_train_batch_size=1, gradient_accumulation_steps=3, num_generations=8,
+        steps_per_generation=8, output_dir=str(tmp_path / "run"),
+        train={"mode": "async", "max_steps": 6}, searchers={"count": 1, "num_cpus": 1},
+        policy={"max_new_tokens": 8, "num_threads": 1}, task={"num_eval": 4},
+    )  # fmt: skip
+    result = TBATrainer(str(policy_dir), lambda completions, **k: [float(len(c)) for c in
+                                                                  completions],
+                        args=config, train_dataset=rows()).train()  # fmt: skip
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 6 and result.global_step == 6
+    assert all(r["context_samples"] >= 5 and math.isfinite(r["loss"]) for r in steps)
