@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -35,3 +36,12 @@ def tiny_model(tokenizer):
         seed=0,
     )
     return model.to("cpu").eval()
+
+
+@pytest.fixture
+def policy_dir(tmp_path, tiny_model, tokenizer) -> Path:
+    """The tiny policy and its tokenizer saved as a directory `from_pretrained` reads."""
+    path = tmp_path / "policy"
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -59,14 +59,6 @@ def chat_tokenizer():
     return tokenizer
 
 
-@pytest.fixture
-def policy_dir(tmp_path, tiny_model, tokenizer) -> Path:
-    path = tmp_path / "policy"
-    tiny_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_functions_import_from_a_module_or_a_file(tmp_path):
     spec = "tba.tasks.verifiers.last_number:last_number_reward"
     assert import_function(spec) is last_number_reward

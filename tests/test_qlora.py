@@ -34,14 +34,6 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def policy_dir(tmp_path, tiny_model, tokenizer) -> Path:
-    path = tmp_path / "policy"
-    tiny_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def quantized_policy(policy_dir: Path, quantization: QuantizationConfig):
     """The policy with LoRA on a quantized base, its adapters moved off their zero start."""
     model = load_policy(str(policy_dir), "cpu", lora=LoraConfig(r=4), quantization=quantization)

@@ -34,14 +34,6 @@ SYNC = ["train.mode=sync", "searchers.count=0", "train.num_prompts=2", "train.gr
         "task.num_eval=4"]  # fmt: skip
 
 
-@pytest.fixture
-def policy_dir(tmp_path, tiny_model, tokenizer) -> Path:
-    path = tmp_path / "policy"
-    tiny_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def rows(count: int = 8) -> list[dict]:
     return [{"prompt": f"Q{i}\n", "answer": str(i)} for i in range(count)]
 
@@ -310,6 +302,15 @@ def test_a_quantized_model_of_nowhere_is_refused_in_one_line(tmp_path, tiny_mode
                    processing_class=tokenizer)  # fmt: skip
 
 
+def train_on_lengths(policy_dir: Path, config: TBAConfig) -> tuple[TrainOutput, list[dict]]:
+    """A run rewarded by completion length: TRL's `TrainOutput`, and its steps' records."""
+    result = TBATrainer(str(policy_dir), lambda completions, **k: [float(len(c)) for c in
+                                                                  completions],
+                        args=config, train_dataset=rows()).train()  # fmt: skip
+    metrics = read_metrics(Path(config.output_dir) / "metrics.jsonl")
+    return result, [r for r in metrics if "loss" in r]
+
+
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_a_generation_of_half_steps_serves_two_steps_without_replay(tmp_path, policy_dir,
                                                                     iterations):  # fmt: skip
@@ -322,10 +323,7 @@ def test_a_generation_of_half_steps_serves_two_steps_without_replay(tmp_path, po
         train={"mode": "sync", "max_steps": 4}, searchers={"count": 0},
         policy={"max_new_tokens": 8, "num_threads": 1}, task={"num_eval": 4},
     )  # fmt: skip
-    result = TBATrainer(str(policy_dir), lambda completions, **k: [float(len(c)) for c in
-                                                                  completions],
-                        args=config, train_dataset=rows()).train()  # fmt: skip
-    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    result, steps = train_on_lengths(policy_dir, config)
     assert [r["generations"] for r in steps] == ([1, 0, 1, 0] if iterations == 1 else [1, 0, 0, 0])
     # Each step trains on 4 of a prompt's 8 completions, its log Z from all 8.
     assert [r["context_samples"] for r in steps] == [4, 4, 4, 4]
@@ -347,10 +345,7 @@ def test_single_completions_a_step_keep_their_generations_statistics(tmp_path, p
         policy={"max_new_tokens": 8, "num_threads": 1}, task={"num_eval": 4},
     )  # fmt: skip
     assert (config.train.group_size, config.train.num_prompts) == (1, 3)
-    result = TBATrainer(str(policy_dir), lambda completions, **k: [float(len(c)) for c in
-                                                                  completions],
-                        args=config, train_dataset=rows()).train()  # fmt: skip
-    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    result, steps = train_on_lengths(policy_dir, config)
     # 24 completions in 8 steps: three generations, each completion trained once.
     assert sum(r["generations"] for r in steps) == 3
     assert result.metrics["groups_reused"] == 0 and result.metrics["groups_fresh"] == 24
@@ -369,9 +364,6 @@ def test_single_completions_a_step_train_asynchronously(tmp_path, policy_dir):
         train={"mode": "async", "max_steps": 6}, searchers={"count": 1, "num_cpus": 1},
         policy={"max_new_tokens": 8, "num_threads": 1}, task={"num_eval": 4},
     )  # fmt: skip
-    result = TBATrainer(str(policy_dir), lambda completions, **k: [float(len(c)) for c in
-                                                                  completions],
-                        args=config, train_dataset=rows()).train()  # fmt: skip
-    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    result, steps = train_on_lengths(policy_dir, config)
     assert len(steps) == 6 and result.global_step == 6
     assert all(r["context_samples"] >= 5 and math.isfinite(r["loss"]) for r in steps)
