@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from tba.core import Batch
-from tba.trainer import Trainer
+from tba.trainer import Trainer, distinct_context
 
 
 class Tally:
@@ -45,8 +45,8 @@ class Tally:
             "repeated_groups": batch.repeated,
             # Samples that entered their group's statistics only (`train.group_baseline`),
             # each once: groups of a prompt drawn together share their generation's others.
-            **({"context_samples": len({id(s) for c in batch.context for s in c}
-                                       - {id(s) for s in samples})} if batch.context else {}),
+            **({"context_samples": len(distinct_context([s for c in batch.context for s in c],
+                                                        samples))} if batch.context else {}),
         }
 
     def time(self, **seconds: float) -> float:

@@ -407,7 +407,7 @@ class Trainer(WeightVersions):
         objective's own over the groups' members, `context` included)."""
         if context and self.loss not in ROW_MEAN_GROUP_OBJECTIVES:
             raise ValueError(f"{self.loss} has no group statistics for context samples to enter")
-        context = _distinct_context(context, trained)
+        context = distinct_context(context, trained)
         flat = trained + context
         device = next(self.model.parameters()).device
         ref_logp = torch.tensor([s.ref_logp for s in flat], device=device)
@@ -476,7 +476,7 @@ def micro_batch_split(groups: list[list[Sample]], chunk: int) -> list[list[Sampl
             for first in range(0, len(groups), chunk)]  # fmt: skip
 
 
-def _distinct_context(context: list[Sample], trained: list[Sample]) -> list[Sample]:
+def distinct_context(context: list[Sample], trained: list[Sample]) -> list[Sample]:
     """Each context sample once, and none that the micro-batch trains on: groups of one prompt
     drawn from one generation in the same micro-batch (parts of a group split across steps)
     share their generation's other samples, and each enters the group's statistics once."""

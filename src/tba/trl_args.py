@@ -153,11 +153,18 @@ def _model_init(value: Any) -> dict[str, Any]:
     settings = quantization_settings(quantization) if quantization is not None else {}
     if dtype is not None:  # the model's dtype, over the quantization's compute dtype
         settings.pop("policy.dtype", None)
-        if str(dtype) in ("bfloat16", "torch.bfloat16"):
-            settings["policy.dtype"] = "bfloat16"
-        elif str(dtype) not in ("auto", "torch.float32", "float32"):
-            raise ValueError(f"the dtype {dtype!r}: tba's weights are float32 or bfloat16")
+        settings |= _policy_dtype(dtype, f"the dtype {dtype!r}")
     return settings
+
+
+def _policy_dtype(dtype: Any, what: str) -> dict[str, Any]:
+    """A torch dtype (or its name) as policy.dtype: float32 (tba's default) or bfloat16."""
+    name = str(dtype).removeprefix("torch.")
+    if name in ("auto", "float32"):
+        return {}
+    if name == "bfloat16":
+        return {"policy.dtype": "bfloat16"}
+    raise ValueError(f"{what}: tba computes in float32 or bfloat16")
 
 
 # BitsAndBytesConfig's settings that tba's quantization section does not offer, at their defaults.
@@ -194,13 +201,9 @@ def quantization_settings(quantization: Any) -> dict[str, Any]:
         "quantization.quant_type": values.get("bnb_4bit_quant_type", "fp4"),
         "quantization.double_quant": bool(values.get("bnb_4bit_use_double_quant", False)),
     }
-    compute = str(values.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
-    if compute == "bfloat16":
-        settings["policy.dtype"] = "bfloat16"
-    elif compute != "float32":
-        raise ValueError(f"quantization_config with bnb_4bit_compute_dtype={compute}: tba "
-                         "computes in float32 or bfloat16")  # fmt: skip
-    return settings
+    compute = values.get("bnb_4bit_compute_dtype") or "float32"
+    return settings | _policy_dtype(compute, f"quantization_config with "
+                                    f"bnb_4bit_compute_dtype={compute}")  # fmt: skip
 
 
 def _hub(what: str, key: str) -> Mapped:

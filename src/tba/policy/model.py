@@ -149,10 +149,10 @@ def load_model(
     and why."""
     quantized = bnb_config(quantization, dtype) if quantization is not None else None
     # A quantized model is placed while it loads, and not moved after.
-    placement = {"quantization_config": quantized, "device_map": {"": torch.device(device)}}
+    placement = ({"quantization_config": quantized, "device_map": {"": torch.device(device)}}
+                 if quantized else {})  # fmt: skip
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                     **placement if quantized else {})
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placement)
     except Exception as error:  # missing, incomplete, damaged or unknown: all one line to a user
         raise ConfigError(f"cannot load a causal LM from {path}: {first_line(error)}") from None
     if not quantized:
@@ -342,9 +342,7 @@ def save_policy(model: PreTrainedModel, path: Path) -> None:
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's part of a checkpoint: its state dict, or with a quantized base only the
     adapters (the frozen base reloads from policy.model as it was)."""
-    if is_quantized(unwrapped(model)):
-        return peft.get_peft_model_state_dict(model)
-    return model.state_dict()
+    return _published_state(model) if is_quantized(unwrapped(model)) else model.state_dict()
 
 
 def load_checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
