@@ -493,10 +493,13 @@ def test_concurrent_builds_into_one_cache_build_once(tmp_path):
     """Seeds started together on a fresh machine: one builds, the others wait and use it."""
     built, waited = [], []
 
+    def waiting() -> int:  # "another process" where the holder's record was read mid-write
+        return sum(line.startswith("waiting for ") for line in waited)
+
     def build(staging: Path) -> None:
         built.append(staging)
         deadline = time.time() + 30  # until the others have found the build under way
-        while sum("waiting for process" in line for line in waited) < 2 and time.time() < deadline:
+        while waiting() < 2 and time.time() < deadline:
             time.sleep(0.01)
         staging.mkdir()
         (staging / "config.json").write_text("{}")
@@ -506,7 +509,7 @@ def test_concurrent_builds_into_one_cache_build_once(tmp_path):
         paths = list(pool.map(lambda _: built_once(target, "config.json", "a model", build,
                                                    log=waited.append), range(3)))  # fmt: skip
     assert paths == [target] * 3 and len(built) == 1
-    assert sum("waiting for process" in line for line in waited) == 2
+    assert waiting() == 2
     assert sorted(p.name for p in target.parent.iterdir()) == ["model"]  # no .partial, no lock
 
 

@@ -3,6 +3,7 @@ staleness bound, and the defaults that keep searchers and trainer from starving 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -227,6 +228,25 @@ def test_searcher_loop_hands_over_each_sample_once_and_bounds_its_outbox(worker)
     second = worker.collect()
     assert len(first["samples"]) <= 12 + 2 * 3
     assert first["idle_seconds"] + second.get("idle_seconds", 0) > 0.5
+
+
+def test_a_closed_ledger_is_final_while_the_loop_goes_on(worker, tmp_path):
+    """A searcher about to be killed writes no more batches in its ledger: the trainer reads what
+    it made once, and counts the rest of it as handed over or discarded, never in neither."""
+    ledger = tmp_path / "searcher1-0.json"
+    worker.ledger_path = str(ledger)
+    worker.start(prompts_per_batch=1, max_unsent=100, version=0, step=0, refs=[None])
+    deadline = time.time() + 30
+    while not ledger.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    worker.close_ledger()
+    final = json.loads(ledger.read_text())
+    made = worker.searcher.num_generated
+    while worker.searcher.num_generated < made + 6 and time.time() < deadline:
+        time.sleep(0.01)
+    assert worker.searcher.num_generated >= made + 6  # the loop went on ...
+    assert json.loads(ledger.read_text()) == final  # ... and its ledger did not
+    assert final["generated"] >= 3
 
 
 def test_searcher_loop_failure_is_reported_by_collect(worker):

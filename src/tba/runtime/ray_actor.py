@@ -77,6 +77,8 @@ class SearcherActor:
         )  # fmt: skip
         self.weights_timeout_s = weights_timeout_s
         self.ledger_path = ledger_path
+        self._ledger_lock = threading.Lock()
+        self._ledger_closed = False
         # The stream position after the last batch put in the outbox: where a replacement
         # continues, so prompts in flight at a kill are generated again, not skipped.
         self._stream_taken = stream_taken
@@ -200,15 +202,24 @@ class SearcherActor:
                 traceback.print_exc()
             self._error = f"{type(error).__name__}: {error}"
 
+    def close_ledger(self) -> None:
+        """Write the ledger no more: what it says now is final, whatever this process still does
+        before it is killed (a batch in flight is then neither counted nor handed over)."""
+        with self._ledger_lock:
+            self._ledger_closed = True
+
     def _write_ledger(self) -> None:
         if self.ledger_path is None:
             return
         searcher = self.searcher
         record = {"generated": searcher.num_generated, "stream_taken": searcher.stream.taken}
         partial = f"{self.ledger_path}.partial"
-        with open(partial, "w") as file:
-            json.dump(record, file)
-        os.replace(partial, self.ledger_path)  # a reader never sees half a record
+        with self._ledger_lock:
+            if self._ledger_closed:
+                return
+            with open(partial, "w") as file:
+                json.dump(record, file)
+            os.replace(partial, self.ledger_path)  # a reader never sees half a record
 
 
 def normal_priority() -> int:

@@ -10,6 +10,7 @@ prompts in flight at a kill are generated again, not skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from tba.policy.model import searcher_gpus
 from tba.runtime.pool import AsyncSearchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.searcher import SearchSettings
+
+LEDGER_CLOSE_TIMEOUT_S = 5.0  # a live searcher answers at once: its generation runs in a thread
 
 
 def searcher_seed(seed: int, searcher_id: int, incarnation: int) -> int:
@@ -83,6 +86,8 @@ class RaySearchers(AsyncSearchers):
         if ledger_dir is not None:
             ledger_dir.mkdir(parents=True, exist_ok=True)
         self.slots = [_Slot() for _ in range(sc.count)]
+        self._discarded = 0  # by this run's searchers
+        self._killed: list[dict[str, Any]] = []  # searchers of killed runs, from the checkpoint
 
     def launch(self) -> None:
         """Start every searcher's process."""
@@ -91,23 +96,31 @@ class RaySearchers(AsyncSearchers):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a checkpoint's streams, each searcher as a new incarnation (the processes of
-        the run that wrote it are gone)."""
-        # Counted before any new searcher writes its ledger.
-        self.discarded_in_flight = state["discarded_in_flight"] + self._rolled_back(state)
+        the run that wrote it are gone, or going)."""
+        self._discarded = state["discarded_in_flight"]
+        # The killed run's searchers may still finish a batch (and write it in their ledgers)
+        # while their Ray processes wind down: what they made is read when it is asked for.
+        self._killed = [*state.get("killed", []), *(
+            {"searcher": i, "handed": saved["handed"],
+             "incarnations": [saved["incarnation"], self._last_ledger_incarnation(i)]}
+            for i, saved in enumerate(state["slots"])
+        )]  # fmt: skip
         self.restarts = state["restarts"]
         for i, (slot, saved) in enumerate(zip(self.slots, state["slots"])):
             slot.incarnation = max(saved["incarnation"], self._last_ledger_incarnation(i)) + 1
             slot.stream_taken, slot.restarts = saved["stream_taken"], saved["restarts"]
 
-    def _rolled_back(self, state: dict[str, Any]) -> int:
-        """Samples the killed run's searchers made after the checkpoint (handed over to a trainer
-        that died before its next checkpoint, or never handed over): work lost, not data."""
-        total = 0
-        for i, saved in enumerate(state["slots"]):
-            incarnations = range(saved["incarnation"], self._last_ledger_incarnation(i) + 1)
-            made = sum(self.generated_by(i, inc) or 0 for inc in incarnations)
-            total += max(0, made - saved["handed"])
-        return total
+    @property
+    def discarded_in_flight(self) -> int:
+        """Samples made but never handed over (work lost, not data): by this run's searchers,
+        and by a killed run's after its last checkpoint (handed over to a trainer that died
+        before its next checkpoint, or never handed over)."""
+        return self._discarded + sum(self._made_after_checkpoint(killed) for killed in self._killed)
+
+    def _made_after_checkpoint(self, killed: dict[str, Any]) -> int:
+        first, last = killed["incarnations"]
+        made = sum(self.generated_by(killed["searcher"], i) or 0 for i in range(first, last + 1))
+        return max(0, made - killed["handed"])
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -116,7 +129,8 @@ class RaySearchers(AsyncSearchers):
                  "restarts": s.restarts}
                 for s in self.slots
             ],
-            "discarded_in_flight": self.discarded_in_flight,
+            "discarded_in_flight": self._discarded,
+            "killed": self._killed,
             "restarts": self.restarts,
         }
 
@@ -325,12 +339,12 @@ class RaySearchers(AsyncSearchers):
                 f"searcher {i} died {slot.restarts + 1} times "
                 f"(searchers.max_restarts={self.config.searchers.max_restarts}); last: {error}"
             )
-        self._ray.kill(slot.handle)
+        self._kill(slot)
         self.restarts += 1
         slot.restarts += 1
         generated = self.generated_by(i, slot.incarnation)
         discarded = max(0, generated - slot.handed) if generated is not None else None
-        self.discarded_in_flight += discarded or 0
+        self._discarded += discarded or 0
         slot.incarnation += 1
         slot.handle = self._spawn(i, slot.incarnation, slot.stream_taken)
         slot.ready, slot.pending, slot.handed = False, None, 0
@@ -340,6 +354,14 @@ class RaySearchers(AsyncSearchers):
         )  # fmt: skip
         if self._running:
             self._start(slot)
+
+    def _kill(self, slot: _Slot) -> None:
+        """Kill a searcher's process, its ledger closed first: `ray.kill` returns before the
+        process is gone, and a batch it finished meanwhile would be counted as made, never as
+        discarded."""
+        with contextlib.suppress(Exception):  # dead or stuck: its ledger is as it left it
+            self._ray.get(slot.handle.close_ledger.remote(), timeout=LEDGER_CLOSE_TIMEOUT_S)
+        self._ray.kill(slot.handle)
 
     def _check_timeout(self, i: int, issued: float) -> None:
         """A searcher that is up must answer within `ray.sync_timeout_s`; one still starting
@@ -367,9 +389,7 @@ class RaySearchers(AsyncSearchers):
     def close(self) -> None:
         """Stop every searcher; what they made but did not hand over is counted as discarded."""
         for slot in self.slots:
-            self._ray.kill(slot.handle)
+            self._kill(slot)
         for i, slot in enumerate(self.slots):
             generated = self.generated_by(i, slot.incarnation)
-            self.discarded_in_flight += max(0, (generated or 0) - slot.handed)
-
-
+            self._discarded += max(0, (generated or 0) - slot.handed)
