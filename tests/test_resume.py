@@ -171,6 +171,19 @@ def test_check_compatible_names_the_setting():
         check_compatible(saved, changed, Path("ckpt"))
 
 
+def test_a_quantized_base_resumes_only_as_it_was_quantized():
+    """A QLoRA checkpoint holds only adapters, trained on the quantized base: the same base
+    again, and a run written before the quantization section was at full weights."""
+    config = load_config(None, ["lora.r=8"]).model_dump()
+    qlora = load_config(None, ["lora.r=8", "quantization.bits=4"]).model_dump()
+    with pytest.raises(CheckpointError, match=r"quantization.bits=4 \(this run: 0\)"):
+        check_compatible(qlora, config, Path("ckpt"))
+    older = {key: value for key, value in config.items() if key != "quantization"}
+    check_compatible(older, config, Path("ckpt"))
+    with pytest.raises(CheckpointError, match=r"quantization.bits=0 \(this run: 4\)"):
+        check_compatible(older, qlora, Path("ckpt"))
+
+
 def test_check_compatible_names_only_the_task_settings_that_differ():
     task = load_config(None, []).model_dump()["task"]
     saved = {"seed": 0, "task": task}

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tba.config import QuantizationConfig
 from tba.errors import CheckpointError, writing
 
 FORMAT = 2  # 2: one state dict, each component's under its name
@@ -176,7 +177,10 @@ def _fsync_tree(path: Path) -> None:
 
 # Settings that define what is trained and on what: a checkpoint resumes only with these equal.
 # Everything else (steps, minutes, learning rate, searchers, ...) may change on resume.
-IDENTITY_KEYS = ("seed", "policy.model", "policy.dtype", "policy.chat_template", "lora", "task")
+IDENTITY_KEYS = ("seed", "policy.model", "policy.dtype", "policy.chat_template", "lora",
+                 "quantization", "task")  # fmt: skip
+# Sections among those that runs written before them lack: those runs had them at their defaults.
+ADDED_SECTIONS = {"quantization": QuantizationConfig}
 # Settings under those that change how the run is measured or computed, not what it trains.
 FREE_KEYS = ("task.num_eval", "task.num_eval_pass_k", "task.reward_batch_size",
              "task.reward_device")  # fmt: skip
@@ -195,7 +199,8 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
             f"{new_ranks}: a sharded checkpoint resumes on 2 or more ranks, an unsharded one on 1"
         )
     changed = [(key, old, new) for name in IDENTITY_KEYS
-               for key, old, new in _differences(name, _get(saved, name), _get(current, name))
+               for key, old, new in _differences(name, _identity(saved, name),
+                                                 _identity(current, name))
                if key not in FREE_KEYS]  # fmt: skip
     if changed:
         shown = ", ".join(f"{key}={old!r:.60} (this run: {new!r:.60})"
@@ -205,6 +210,13 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
             f"checkpoint {path} was written with {shown}{more}; a checkpoint resumes only the "
             f"same {', '.join(IDENTITY_KEYS)}: set them back, or start a new run"
         )
+
+
+def _identity(config: dict[str, Any], name: str) -> Any:
+    value = _get(config, name)
+    if value is None and name in ADDED_SECTIONS:
+        return ADDED_SECTIONS[name]().model_dump()
+    return value
 
 
 def _differences(key: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
