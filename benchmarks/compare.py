@@ -55,7 +55,7 @@ from tba.quiet import quiet_libraries
 
 ASYNC = ["train.mode=async", "searchers.count=1"]
 SYNC = ["train.mode=sync", "searchers.count=0"]
-PLAIN_TB = ["train.loss=tb", "train.trust_region=none"]
+PLAIN_TB = ["train.loss=tb", "train.tb.trust_region=none"]
 
 
 def trl_method(learning_rate: float) -> Method:

@@ -8,12 +8,16 @@ it; this script prints the table of docs/faults.md.
 Every case must end with exit status 1 (a run that cannot go on), 2 (bad input) or 130/143 (Ctrl-C,
 SIGTERM: saved), never 0 after training nothing, with a message of at most two lines that names
 the problem, and without losing what the run had saved.
+
+The cases are `CASES`: this module's, then those of `benchmarks.fault_ends` (a run's edges:
+replacing a run, its end, signals outside training, writes that fail); what they all run on is
+`benchmarks.fault_harness`. A new case goes at the end of a module's `CASES`, or in a module of
+its own added to `CASES` below.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -21,147 +25,19 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from tba.policy.model import build_tiny_llama
-from tba.policy.tokenizer import build_char_tokenizer
-
-REWARDS = textwrap.dedent('''
-    import math, time
-
-    import numpy, torch
-
-    CALLS = []
-
-    def works(completions, **kwargs):
-        return [float(len(c) % 3) for c in completions]
-
-    def raises(completions, **kwargs):
-        raise ValueError("no such column")
-
-    def nan(completions, **kwargs):
-        return [math.nan] * len(completions)
-
-    def inf(completions, **kwargs):
-        return [math.inf] * len(completions)
-
-    def strings(completions, **kwargs):
-        return ["high"] * len(completions)
-
-    def wrong_count(completions, **kwargs):
-        return [1.0]
-
-    def hangs(completions, **kwargs):
-        time.sleep(3600)
-
-    def wrong_signature(x):
-        return [1.0]
-
-    def fails_first(completions, **kwargs):
-        CALLS.append(1)
-        if len(CALLS) == 1:
-            raise RuntimeError("cold start")
-        return [1.0] * len(completions)
-
-    def tensor(completions, **kwargs):
-        return torch.tensor([float(len(c) % 3) for c in completions])
-
-    def numpy_bools(completions, **kwargs):
-        return numpy.array([len(c) % 2 == 0 for c in completions])
-
-    def fails_at_the_end(completions, trainer_state, **kwargs):
-        if trainer_state.global_step >= 3:
-            raise KeyError("answer")
-        return [1.0] * len(completions)
-''')
-# Small and fast: two prompts of four responses a step, a policy of 30k weights.
-FAST = ["train.mode=sync", "searchers.count=0", "train.num_prompts=2", "train.group_size=4",
-        "policy.max_new_tokens=8", "policy.num_threads=1", "task.num_eval=4", "eval.every=1000",
-        "searchers.max_reward_failures=2", "searchers.reward_timeout_s=2",
-        "train.max_steps=3"]  # fmt: skip
-
-
-@dataclass
-class Workspace:
-    """A tiny policy, a dataset and a file of reward functions, in `root`."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        self.policy, self.data, self.rewards = (self.root / "policy", self.root / "data.jsonl",
-                                                self.root / "rewards.py")  # fmt: skip
-        if not (self.policy / "config.json").exists():
-            tokenizer = build_char_tokenizer()
-            torch.manual_seed(0)
-            model = build_tiny_llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                     bos_token_id=tokenizer.bos_token_id,
-                                     eos_token_id=tokenizer.eos_token_id, hidden_size=32,
-                                     num_layers=2, num_heads=2)  # fmt: skip
-            model.save_pretrained(self.policy)
-            tokenizer.save_pretrained(self.policy)
-        self.data.write_text("".join(json.dumps({"prompt": f"Q{i}\n", "answer": str(i)}) + "\n"
-                                     for i in range(16)))  # fmt: skip
-        self.rewards.write_text(REWARDS)
-
-    def task(self, reward: str = "works", eval_func: str | None = None) -> list[str]:
-        rewards = ",".join(f"{self.rewards}:{name}" for name in reward.split(","))
-        settings = [f"policy.model={self.policy}", "task.name=custom",
-                    f"task.train_path={self.data}", f"task.reward_funcs=[{rewards}]"]
-        if eval_func:
-            settings.append(f"task.eval_func={self.rewards}:{eval_func}")
-        return settings
-
-
-@dataclass
-class Result:
-    exit: int
-    message: list[str]  # the lines tba printed on stderr after its log lines
-    survived: str
-    seconds: float
-
-
-@dataclass
-class Case:
-    name: str
-    what: str  # the fault, in words
-    run: Callable[[Workspace, Path], tuple[int, str]]  # (exit status, stderr)
-    exit: int  # the status it must end with
-    message: str  # what its message must hold
-    survived: Callable[[Path], str] = field(default=lambda run: survivors(run))
-    # What "what survived" must name (default: after exit 0, 130 or 143, the run's results).
-    kept: tuple[str, ...] | None = None
-    # A bad-input case gives the same status and message in a process of its own as in the one
-    # that checks it: tests/test_faults_cli.py runs its `tba` commands in its own process.
-    in_process: bool = False
-
-
-def tba(args: list[str], timeout: float = 300, env: dict | None = None) -> tuple[int, str]:
-    done = subprocess.run([sys.executable, "-m", "tba.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=os.environ | (env or {}))  # fmt: skip
-    return done.returncode, done.stderr
-
-
-def error_lines(stderr: str) -> list[str]:
-    """What tba says when it stops: its `tba: error` line(s), or a traceback's lines."""
-    lines = stderr.splitlines()
-    if any(line.startswith("Traceback") for line in lines):
-        return lines[next(i for i, line in enumerate(lines) if line.startswith("Traceback")):]
-    return [line for line in lines if line.startswith(("tba: error", "tba: interrupted"))]
-
-
-def survivors(run: Path) -> str:
-    """What a run directory holds that matters: checkpoints, the final policy, eval.json."""
-    if not run.exists():
-        return "no run directory"
-    if run.is_file():
-        return f"the file {run.name}, as it was" if run.read_text() == "notes\n" else "file changed"
-    checkpoints = sorted(p.name for p in (run / "checkpoints").glob("step*"))
-    kept = [f"checkpoints {', '.join(checkpoints)}" if checkpoints else "no checkpoint"]
-    kept += [name for name in ("final", "eval.json") if (run / name).exists()]
-    return "; ".join(kept)
+from benchmarks import fault_ends
+from benchmarks.fault_harness import (  # noqa: F401 - FAST, Result: for the tests too
+    FAST,
+    Case,
+    Result,
+    Workspace,
+    error_lines,
+    stepped,
+    survivors,
+    tba,
+)
 
 
 def reward_case(reward: str) -> Callable[[Workspace, Path], tuple[int, str]]:
@@ -247,7 +123,7 @@ def sigterm(ws: Workspace, run: Path) -> tuple[int, str]:
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.time() + 120
-    while time.time() < deadline and not _stepped(run) and process.poll() is None:
+    while time.time() < deadline and not stepped(run) and process.poll() is None:
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
@@ -264,7 +140,7 @@ def second_start(ws: Workspace, run: Path) -> tuple[int, str]:
     )  # fmt: skip
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not _stepped(run) and first.poll() is None:
+        while time.time() < deadline and not stepped(run) and first.poll() is None:
             time.sleep(0.2)
         config = (run / "config.yaml").read_bytes()
         metrics = (run / "metrics.jsonl").read_bytes()
@@ -373,11 +249,6 @@ def with_settings(*settings: str) -> Callable[[Workspace, Path], tuple[int, str]
     return lambda ws, run: tba(["train", *FAST, *ws.task(), f"output_dir={run}", *settings])
 
 
-def _stepped(run: Path) -> bool:
-    metrics = run / "metrics.jsonl"
-    return metrics.exists() and '"loss"' in metrics.read_text()
-
-
 CASES = [
     Case("reward raises", "every call of the only reward raises", reward_case("raises"), 1,
          "reward function 'raises' failed on its last 2 calls"),
@@ -385,7 +256,7 @@ CASES = [
          "reward function 'nan' failed on its last 2 calls"),
     Case("reward inf", "the reward is inf", reward_case("inf"), 1, "'inf' failed on its last"),
     Case("reward strings", "the reward returns strings", reward_case("strings"), 1,
-         "'strings' failed on its last 2 calls"),
+         "reward function 'strings' returned 'high', a str, for 8 of 8"),
     Case("reward wrong count", "one value for a batch", reward_case("wrong_count"), 1,
          "returned 1 values for 8 completions"),
     Case("reward hangs", "the reward never returns (reward_timeout_s=2)",
@@ -474,6 +345,7 @@ CASES = [
     Case("config without extension", "`tba train myconfig`, a file that does not exist",
          lambda ws, run: tba(["train", str(ws.root / "myconfig"), f"output_dir={run}"]), 2,
          "config file not found", in_process=True),
+    *fault_ends.CASES,
 ]  # fmt: skip
 
 

@@ -16,7 +16,10 @@
 - `--suite qwen`: one TB train step, then the searcher's reference scoring of the same batch,
   on Qwen2.5 0.5B, 1.5B, 3B and 7B (public configurations, random weights, bf16), full
   fine-tuning, LoRA and QLoRA (the base saved, then loaded back in 4 bits with double
-  quantization), B x K = 8 x 16 responses of 256 tokens after 64-token prompts: peak device
+  quantization), and full fine-tuning with bitsandbytes' 8-bit AdamW (`train.optimizer`) and/or
+  bf16 weights without fp32 masters (`train.master_weights=none`, Kahan-compensated) against
+  the default (AdamW, fp32 masters), B x K = 8 x 16 responses of 256 tokens after 64-token
+  prompts: peak device
   memory (CUDA's allocator) of each, and which fit on the card. `--small` runs the same on a CPU
   with narrow shapes, to try it.
 
@@ -45,7 +48,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tba.policy.logprobs as logprobs_module
 from benchmarks.shapes import parameters, qwen_config, random_qwen
-from tba.config import LoraConfig, QuantizationConfig
+from tba.config import LoraConfig, QuantizationConfig, TrainConfig
 from tba.core import Sample
 from tba.peak_memory import PeakMemory
 from tba.policy.logprobs import sequence_logprobs
@@ -108,8 +111,8 @@ def measure_trainer(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(args.model_dir)
     model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank),
                         quantization=QuantizationConfig(bits=args.bits))  # fmt: skip
-    trainer = Trainer(model, pad_id=tokenizer.pad_token_id, temperature=1.0,
-                      learning_rate=1e-5, max_grad_norm=1.0)  # fmt: skip
+    trainer = Trainer(model, TrainConfig(learning_rate=1e-5, max_grad_norm=1.0),
+                      pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
     groups = fake_groups(tokenizer, args.num_prompts, args.group_size, args.length)
     for _ in range(args.steps):
         trainer.step(groups, beta=0.05)
@@ -190,8 +193,10 @@ def measure_step(args: argparse.Namespace) -> dict:
             enable_checkpointing(model)
     if args.logprobs == "full":  # the plain computation everywhere, in place of the chunked one
         logprobs_module.output_layer = lambda model: None
-    trainer = Trainer(model.train(), pad_id=0, temperature=1.0, learning_rate=1e-6,
-                      max_grad_norm=1.0, micro_batch_groups=args.micro_batch_groups)  # fmt: skip
+    settings = TrainConfig(learning_rate=1e-6, max_grad_norm=1.0,
+                           micro_batch_groups=args.micro_batch_groups, optimizer=args.optimizer,
+                           master_weights=args.master_weights)  # fmt: skip
+    trainer = Trainer(model.train(), settings, pad_id=0, temperature=1.0)
     groups = random_groups(config.vocab_size, args.num_prompts, args.group_size,
                            args.prompt_length, args.length)  # fmt: skip
     memory = PeakMemory(device)
@@ -239,11 +244,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def step_command(args: argparse.Namespace, shape: str, rank: int, checkpointing: bool,
-                 logprobs: str, bits: int = 0) -> list[str]:  # fmt: skip
+                 logprobs: str, bits: int = 0, optimizer: str = "adamw",
+                 master_weights: str = "fp32") -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "benchmarks.memory", "--role", "step", "--shape", shape,
         "--rank", str(rank), "--bits", str(bits), "--logprobs", logprobs, "--dtype", args.dtype,
-        "--device", args.device,
+        "--device", args.device, "--optimizer", optimizer, "--master-weights", master_weights,
         "--steps", str(args.steps), "--num-prompts", str(args.num_prompts),
         "--group-size", str(args.group_size), "--prompt-length", str(args.prompt_length),
         "--length", str(args.length), "--micro-batch-groups", str(args.micro_batch_groups or 0),
@@ -285,6 +291,16 @@ QWEN_ROWS = [  # (shape, LoRA rank, gradient checkpointing, bits of the base: QL
 ]  # fmt: skip
 
 
+# Full fine-tuning with less optimizer memory (`train.optimizer`, `train.master_weights`; the
+# rows above: adamw, fp32 masters): (shape, gradient checkpointing, optimizer, master weights).
+QWEN_OPTIMIZER_ROWS = [
+    ("qwen2.5-0.5b", True, "adamw_8bit", "fp32"), ("qwen2.5-0.5b", True, "adamw", "none"),
+    ("qwen2.5-0.5b", True, "adamw_8bit", "none"), ("qwen2.5-1.5b", True, "adamw_8bit", "none"),
+    ("qwen2.5-3b", True, "adamw_8bit", "none"), ("qwen2.5-7b", True, "adamw_8bit", "fp32"),
+    ("qwen2.5-7b", True, "adamw", "none"), ("qwen2.5-7b", True, "adamw_8bit", "none"),
+]  # fmt: skip
+
+
 def qwen_suite(args: argparse.Namespace) -> None:
     """Qwen2.5 sizes, full, LoRA and QLoRA: the step's peak and whether it fits."""
     total = (torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -296,12 +312,19 @@ def qwen_suite(args: argparse.Namespace) -> None:
     print("| model | parameters | tuning | checkpointing | train step peak | reference scoring "
           "peak | step seconds |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for shape, rank, checkpointing, bits in QWEN_ROWS:
+    rows = [(shape, rank, checkpointing, bits, "adamw", "fp32")
+            for shape, rank, checkpointing, bits in QWEN_ROWS]
+    rows += [(shape, 0, checkpointing, 0, optimizer, master_weights)
+             for shape, checkpointing, optimizer, master_weights in QWEN_OPTIMIZER_ROWS]
+    for shape, rank, checkpointing, bits, optimizer, master_weights in rows:
         if args.only and shape not in args.only:
             continue
-        result = run_step(args, shape, rank, checkpointing, "chunked", bits)
+        result = run_step(args, shape, rank, checkpointing, "chunked", bits, optimizer,
+                          master_weights)  # fmt: skip
         tuning = (f"QLoRA r={rank}, {bits}-bit base" if bits else f"LoRA r={rank}" if rank
                   else "full")  # fmt: skip
+        tuning += ", 8-bit Adam" if optimizer != "adamw" else ""
+        tuning += ", no masters (Kahan)" if master_weights == "none" else ""
         size = f"{result['parameters'] / 1e9:.2f}B"
         if result["oom"]:
             print(f"| {shape} | {size} | {tuning} | {checkpointing} | out of memory | | |",
@@ -408,6 +431,8 @@ def main() -> None:
     parser.add_argument("--shape")
     parser.add_argument("--logprobs", choices=["full", "chunked"], default="chunked")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--optimizer", default="adamw", help="step: train.optimizer")
+    parser.add_argument("--master-weights", default="fp32", help="step: train.master_weights")
     args = parser.parse_args()
     defaults = dict(dtypes=["float32", "bfloat16"], steps=2, num_prompts=2, group_size=4,
                     length=24, prompt_length=16, micro_batch_groups=0)  # fmt: skip

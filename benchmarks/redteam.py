@@ -76,8 +76,8 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             for n in (1, 2, 4)
         },  # fmt: skip
         "logz": {
-            "tb-vargrad": Method("TB, VarGrad log Z", [*ASYNC, "train.log_z=vargrad"]),
-            "tb-learned": Method("TB, learned log Z", [*ASYNC, "train.log_z=learned"]),
+            "tb-vargrad": Method("TB, VarGrad log Z", [*ASYNC, "train.tb.log_z=vargrad"]),
+            "tb-learned": Method("TB, learned log Z", [*ASYNC, "train.tb.log_z=learned"]),
         },
     }
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.memory import create_model, fake_groups, peak_rss_mib
+from tba.config import TrainConfig
 from tba.policy.model import get_weights, load_policy
 from tba.policy.tokenizer import load_tokenizer
 from tba.runtime.fsdp import ShardedTrainer, held_bytes, split_batch
@@ -41,8 +42,8 @@ MIB = 2**20
 
 
 def settings(tokenizer) -> dict:
-    return dict(pad_id=tokenizer.pad_token_id, temperature=1.0, learning_rate=1e-5,
-                max_grad_norm=1.0)  # fmt: skip
+    return dict(settings=TrainConfig(learning_rate=1e-5, max_grad_norm=1.0),
+                pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
 
 
 def timed_steps(step, steps: int) -> float:

@@ -17,6 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tba.config import TrainConfig
 from tba.core import Sample
 from tba.policy import chunked_logprobs
 from tba.policy.chunked_logprobs import linear_logprobs
@@ -198,7 +199,8 @@ def test_no_tensor_of_tokens_times_vocabulary_in_a_train_step(monkeypatch):
     monkeypatch.setitem(chunked_logprobs.BLOCK_ELEMENTS, "cpu", 8 * 32)  # blocks of 8 x 32
     torch.manual_seed(0)
     model = llama()
-    trainer = Trainer(model, pad_id=0, temperature=1.0, learning_rate=1e-3, max_grad_norm=1.0)
+    trainer = Trainer(model, TrainConfig(learning_rate=1e-3, max_grad_norm=1.0), pad_id=0,
+                      temperature=1.0)  # fmt: skip
     group = [Sample(prompt_id=0, prompt_ids=[1, 2, 3], response_ids=list(range(10, 22)),
                     reward=float(k), ref_logp=-30.0, behaviour_logp=-30.0, version=0,
                     behaviour_token_logps=[-2.5] * 12)

@@ -3,8 +3,11 @@ with a reward that never works, an evaluation function that hangs, a YAML file w
 twice, infinite settings, a full disk (a real tmpfs, where this machine lets us mount one), a torn
 metrics line, a damaged checkpoint, a broken or empty model directory, a SIGTERM, a second start
 in a running run's directory, two base-policy builds into one cache at once, devices and output
-directories that cannot be used. Each ends with the exit status it must, a message of at most two
-lines naming the problem, and what the run had saved still there. The table of docs/faults.md is
+directories that cannot be used; and at a run's edges (`benchmarks.fault_ends`): a finished run
+replaced by one that fails, a kill during the final save, signals during the evaluations, a disk
+that fills at the end, read-only places for `tba eval` and `tba plot`. Each ends with the exit
+status it must, a message of at most two lines naming the problem, and what the run had saved
+still there. The table of docs/faults.md is
 `python -m benchmarks.faults`.
 
 The bad-input cases (`Case.in_process`) run their `tba` commands in this process, through the
@@ -54,6 +57,8 @@ def test_a_fault_ends_as_it_should(case, tmp_path, monkeypatch):
         pytest.skip("needs to mount a small tmpfs (root's writes ignore permissions)")
     if case.name == "full disk" and os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs")
+    if case.mounts and (os.geteuid() != 0 or not can_mount_a_tmpfs(tmp_path / "probe")):
+        pytest.skip("needs root to mount a tmpfs (a small or a read-only disk)")
     if case.in_process:
         monkeypatch.setattr(faults, "tba", tba_here)
     result = run(case, tmp_path)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tba.config import TrainConfig
 from tba.core import Sample
 from tba.policy import logprobs
 from tba.policy.model import build_tiny_llama, get_weights
@@ -53,13 +54,12 @@ def make_batch(step: int, num_groups: int = 5, group_size: int = 3) -> list[list
 
 
 def settings(case: str) -> dict:
-    common = dict(pad_id=0, temperature=1.0, learning_rate=1e-2, max_grad_norm=0.5,
-                  warmup_steps=2)  # fmt: skip
+    common = dict(learning_rate=1e-2, max_grad_norm=0.5, warmup_steps=2)
     if case == "micro_batches":  # uneven shares: one rank runs a padding pass
-        return common | dict(micro_batch_groups=1)
+        common |= dict(micro_batch_groups=1)
     if case == "learned_log_z":  # its bias starts at the first micro-batch's mean: the batch's
-        return common | dict(log_z="learned", log_z_lr=0.1)
-    return common
+        common |= dict(tb={"log_z": "learned", "log_z_lr": 0.1})
+    return dict(settings=TrainConfig(**common), pad_id=0, temperature=1.0)
 
 
 def train_steps(trainer, steps: range, rank: int | None = None, world: int = 1) -> list[dict]:

@@ -24,7 +24,7 @@ from tiny_models import build_model, teach_to_stop, train_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from tba.cli import main
-from tba.config import ConfigError, LoraConfig, load_config
+from tba.config import ConfigError, LoraConfig, TrainConfig, load_config
 from tba.core import Sample
 from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import (
@@ -304,8 +304,8 @@ def group_of(tokenizer, prompt_id: int, text: str, rewards: list[float]) -> list
 def test_bf16_trainer_updates_fp32_masters_and_rounds_them_into_the_model(model_dirs):
     tokenizer = load_tokenizer(str(model_dirs["llama"]))
     model = load_policy(str(model_dirs["llama"]), "cpu", dtype="bfloat16")
-    trainer = Trainer(model, pad_id=tokenizer.pad_token_id, temperature=1.0,
-                      learning_rate=1e-5, max_grad_norm=1.0)  # fmt: skip
+    trainer = Trainer(model, TrainConfig(learning_rate=1e-5, max_grad_norm=1.0),
+                      pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
     optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     assert all(p.dtype == torch.float32 for p in optimized)
     initial = [p.detach().clone() for p in optimized]
@@ -332,10 +332,11 @@ def test_accumulated_micro_batches_equal_the_full_batch_gradient_in_float64(mode
     base = load_model(str(model_dirs["qwen2"]), "cpu", torch.float64)
     grads = []
     for micro in (None, 1, 2):
-        trainer = Trainer(
-            copy.deepcopy(base), pad_id=tokenizer.pad_token_id, temperature=1.0,
-            learning_rate=0.0, max_grad_norm=1e9, micro_batch_groups=micro,
-        )  # fmt: skip
+        # A learning rate of 0 (the gradient without an update) is past the config's validation.
+        settings = TrainConfig(max_grad_norm=1e9, micro_batch_groups=micro).model_copy(
+            update={"learning_rate": 0.0})  # fmt: skip
+        trainer = Trainer(copy.deepcopy(base), settings, pad_id=tokenizer.pad_token_id,
+                          temperature=1.0)  # fmt: skip
         trainer.step(groups, beta=0.1)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
     assert grads[0].abs().max() > 0
@@ -369,8 +370,9 @@ def lora_pair(model_dirs):
     path = str(model_dirs["llama"])
     tokenizer = load_tokenizer(path)
     lora = LoraConfig(r=4)
-    trainer = Trainer(load_policy(path, "cpu", lora=lora), pad_id=tokenizer.pad_token_id,
-                      temperature=1.0, learning_rate=1e-2, max_grad_norm=1.0)  # fmt: skip
+    trainer = Trainer(load_policy(path, "cpu", lora=lora),
+                      TrainConfig(learning_rate=1e-2, max_grad_norm=1.0),
+                      pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
     base_before = {n: t.clone() for n, t in trainer.model.state_dict().items() if "lora_" not in n}
     trainer.step([group_of(tokenizer, 0, "Ann has 3 pens.\n", [1.0, 0.0, 0.5, 0.0])], beta=0.1)
     rows = [{"prompt": "Ann has 3 pens.\n", "answer": "3"}]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
+from tba.config import TrainConfig
 from tba.objectives.schedules import lr_factor, warmup_steps_for
 from tba.trainer import Trainer, decay_groups
 
@@ -58,9 +59,9 @@ def test_warmup_steps_from_a_ratio_round_up_and_steps_win():
 
 
 def test_the_trainer_follows_its_schedule(tiny_model):
-    trainer = Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-2,
-                      max_grad_norm=1.0, lr_schedule="linear", warmup_steps=2,
-                      total_steps=6)  # fmt: skip
+    trainer = Trainer(tiny_model, TrainConfig(learning_rate=1e-2, max_grad_norm=1.0,
+                                              lr_schedule="linear", warmup_steps=2, max_steps=6),
+                      pad_id=0, temperature=1.0, total_steps=6)  # fmt: skip
     rates = []
     for _ in range(6):
         rates.append(trainer.optimizer.param_groups[0]["lr"])
@@ -72,8 +73,8 @@ def test_the_trainer_follows_its_schedule(tiny_model):
 
 def test_weight_decay_is_decoupled_and_spares_biases_and_norms(tiny_model):
     decay, learning_rate = 0.1, 0.01
-    trainer = Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=learning_rate,
-                      max_grad_norm=1.0, weight_decay=decay)  # fmt: skip
+    settings = TrainConfig(learning_rate=learning_rate, max_grad_norm=1.0, weight_decay=decay)
+    trainer = Trainer(tiny_model, settings, pad_id=0, temperature=1.0)
     assert isinstance(trainer.optimizer, torch.optim.AdamW)
     matrices, vectors = trainer.optimizer.param_groups
     assert (matrices["weight_decay"], vectors["weight_decay"]) == (decay, 0.0)

@@ -15,24 +15,22 @@ from test_train_e2e import FAST
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tba import trainer as trainer_module
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import latest_checkpoint, save_checkpoint
 from tba.cli import main
+from tba.config import TrainConfig, VinePPOSettings
+from tba.core import Sample
 from tba.objectives import OBJECTIVES, gae, ppo_loss, vine_advantages, vineppo_loss
-from tba.objectives.ppo import (
-    clipped_value_loss,
-    reward_to_go,
-    step_index,
-    token_rewards,
-    whiten,
-)
+from tba.objectives.ppo import clipped_value_loss, explained_variance, token_rewards, whiten
+from tba.objectives.vineppo import reward_to_go, step_index
 from tba.policy.model import frozen_copy
 from tba.policy.sampling import Generation
 from tba.run_dir import read_metrics, samples_consumed
 from tba.searcher import Searcher, SearchSettings
 from tba.tasks.math import world
 from tba.trainer import Trainer
-from tba.vine import StepSplitter, ValueEstimator, VineSettings, evenly_spaced
+from tba.vine import StepSplitter, ValueEstimator, evenly_spaced
 
 LENGTHS = [5, 1, 3, 7, 2]
 T_MAX = 7
@@ -207,6 +205,40 @@ def test_ppo_gradients_on_policy_are_the_whitened_advantages_and_the_value_error
 # ----------------------------------------------------------------------------- VinePPO advantages
 
 
+def test_gae_and_the_value_clip_use_the_stored_old_values():
+    b = ppo_batch(seed=4)
+    mask, n = b["mask"], len(LENGTHS)
+    kwargs = dict(beta=0.05, gae_lambda=0.95, value_clip=0.2, value_coef=0.5)
+    # A first use (V_old = V, detached): the same as no stored values, and the clip cannot bind.
+    plain, plain_stats = ppo_loss(**b, **kwargs)
+    first, first_stats = ppo_loss(**b, **kwargs, old_values=b["values"].detach().clone())
+    assert first.item() == plain.item() and first_stats["value_clip_frac"] == 0
+    # A later use: the critic moved by 1 since V_old, five times the clip.
+    old = (b["values"].detach() + 1.0).masked_fill(~mask, 7.0)  # padding ignored
+    loss, stats = ppo_loss(**b, **kwargs, old_values=old)
+    assert stats["value_clip_frac"] > 0
+    kl = (b["token_logp"].detach() - b["ref_token_logp"]).masked_fill(~mask, 0.0)
+    advantages, returns = gae(token_rewards(b["rewards"], kl, mask, 0.05), old, mask, 1.0, 0.95)
+    assert stats["advantage_mean"].item() == pytest.approx(advantages[mask].mean().item(), 1e-6)
+    assert stats["value_mean"].item() == pytest.approx(old[mask].mean().item(), 1e-6)
+    terms, clipped = clipped_value_loss(b["values"].nan_to_num(), old, returns, mask, 0.2)
+    share = clipped.sum().item() / mask.sum().item()
+    assert stats["value_clip_frac"].item() == pytest.approx(share)
+    assert stats["value_loss"].item() == pytest.approx(terms.sum().item() / n, rel=1e-6)
+    loss.backward()
+    assert (b["values"].grad[clipped] == 0).all() and (b["values"].grad[mask & ~clipped] != 0).any()
+
+
+def test_explained_variance_is_nan_when_every_return_is_the_same():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    values = torch.tensor([[0.1, 0.2, 5.0], [0.3, -0.1, 0.4]])
+    assert math.isnan(explained_variance(values, torch.full((2, 3), 0.5), mask).item())
+    assert math.isnan(explained_variance(torch.zeros(2, 3), torch.zeros(2, 3), mask).item())
+    returns = torch.tensor([[1.0, 0.0, 9.0], [1.0, 0.0, 1.0]])
+    assert explained_variance(returns, returns, mask).item() == 1.0
+    assert explained_variance(torch.zeros(2, 3), returns, mask).item() == pytest.approx(0.0)
+
+
 def test_vine_step_advantages_add_up_to_the_return_minus_the_first_value():
     gen = torch.Generator().manual_seed(4)
     num_steps = torch.tensor([3, 1, 5, 2])
@@ -322,7 +354,7 @@ def heads_reward(rows, responses, truncated):
 
 def test_identical_prefixes_are_generated_once_and_every_rollout_is_counted():
     engine = CoinEngine(0.5)
-    estimator = ValueEstimator(engine, Digits(), VineSettings(rollouts=3), max_new_tokens=6,
+    estimator = ValueEstimator(engine, Digits(), VinePPOSettings(rollouts=3), max_new_tokens=6,
                                temperature=1.0, score=heads_reward)  # fmt: skip
     # Two prompts; responses of prompt 7 share their first step; a repeated response.
     rows = [7, 7, 7, 8]
@@ -347,7 +379,7 @@ def test_continuations_stay_within_the_response_length_limit():
         seen.extend(zip(map(tuple, responses), truncated))
         return [0.0] * len(responses)
 
-    estimator = ValueEstimator(engine, Digits(), VineSettings(rollouts=1), max_new_tokens=3,
+    estimator = ValueEstimator(engine, Digits(), VinePPOSettings(rollouts=1), max_new_tokens=3,
                                temperature=1.0, score=score)  # fmt: skip
     estimator.estimate([0], [[100]], [[3, 9, 1]])
     # s_0 continues with "1, EOS" (room 3); s_1 = [3, 9] has room for one token only.
@@ -357,7 +389,7 @@ def test_continuations_stay_within_the_response_length_limit():
 def test_monte_carlo_values_estimate_the_known_value_of_a_toy_policy():
     p, rollouts = 0.3, 400
     engine = CoinEngine(p, seed=1)
-    estimator = ValueEstimator(engine, Digits(), VineSettings(rollouts=rollouts),
+    estimator = ValueEstimator(engine, Digits(), VinePPOSettings(rollouts=rollouts),
                                max_new_tokens=6, temperature=1.0, score=heads_reward)  # fmt: skip
     estimates, _ = estimator.estimate([0, 1, 2], [[100], [101], [102]], [[3, 9, 0]] * 3)
     standard_error = math.sqrt(p * (1 - p) / rollouts)
@@ -370,7 +402,7 @@ def test_a_state_without_any_scored_rollout_drops_its_responses():
     def failing(rows, responses, truncated):
         return [math.nan if 9 in r else 1.0 for r in responses]
 
-    estimator = ValueEstimator(CoinEngine(0.5), Digits(), VineSettings(rollouts=2),
+    estimator = ValueEstimator(CoinEngine(0.5), Digits(), VinePPOSettings(rollouts=2),
                                max_new_tokens=6, temperature=1.0, score=failing)  # fmt: skip
     estimates, _ = estimator.estimate([0, 1], [[100], [101]], [[3, 9, 4, 0], [3, 0]])
     assert estimates[0] is None and estimates[1].values == [1.0]
@@ -392,7 +424,7 @@ def searcher_settings(**overrides) -> SearchSettings:
 
 
 def test_vineppo_searcher_samples_carry_values_and_their_cost(tiny_model, tokenizer):
-    settings = searcher_settings(vine=VineSettings(rollouts=3, delimiter="1"))
+    settings = searcher_settings(vine=VinePPOSettings(rollouts=3, delimiter="1"))
     searcher = Searcher(tiny_model, tokenizer, ROWS, [ends_with_answer], settings, seed=0)
     samples, stats = searcher.generate(num_prompts=2)
     assert samples and all(s.step_values is not None for s in samples)
@@ -405,16 +437,17 @@ def test_vineppo_searcher_samples_carry_values_and_their_cost(tiny_model, tokeni
     assert stats["gen_tokens"] == response_tokens + stats["vine_tokens"] > response_tokens
 
 
-def trainer(model, tokenizer, **kwargs) -> Trainer:
-    return Trainer(frozen_copy(model).requires_grad_(True), pad_id=tokenizer.pad_token_id,
-                   temperature=1.0, learning_rate=1e-2, max_grad_norm=1.0, **kwargs)  # fmt: skip
+def trainer(model, tokenizer, **settings) -> Trainer:
+    return Trainer(frozen_copy(model).requires_grad_(True),
+                   TrainConfig(learning_rate=1e-2, max_grad_norm=1.0, **settings),
+                   pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
 
 
 @pytest.mark.parametrize(("loss", "value_model"),
                          [("ppo", "head"), ("ppo", "critic"), ("vineppo", "head")])  # fmt: skip
 def test_a_step_then_a_checkpoint_continues_exactly(tmp_path, tiny_model, tokenizer, loss,
                                                     value_model):  # fmt: skip
-    vine = VineSettings(rollouts=2, delimiter="1") if loss == "vineppo" else None
+    vine = VinePPOSettings(rollouts=2, delimiter="1") if loss == "vineppo" else None
     searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [ends_with_answer],
                         searcher_settings(vine=vine), seed=0)  # fmt: skip
     samples, _ = searcher.generate(num_prompts=2)
@@ -422,7 +455,9 @@ def test_a_step_then_a_checkpoint_continues_exactly(tmp_path, tiny_model, tokeni
         s.reward = 1.0
     groups = [[s for s in samples if s.prompt_id == p] for p in dict.fromkeys(
         s.prompt_id for s in samples)]  # fmt: skip
-    first = trainer(tiny_model, tokenizer, loss=loss, value_model=value_model)
+    buffer = ReplayBuffer(64)
+    buffer.add(samples)
+    first = trainer(tiny_model, tokenizer, loss=loss, ppo={"value_model": value_model})
     before = first.step(groups, beta=0.1)
     expected = {"ppo": {"value_loss", "explained_variance", "value_grad_norm", "advantage_std"},
                 "vineppo": {"advantage_mean", "advantage_std", "clip_frac"}}[loss]
@@ -431,11 +466,22 @@ def test_a_step_then_a_checkpoint_continues_exactly(tmp_path, tiny_model, tokeni
     assert before["grad_norm"] > 0
     if loss == "ppo":  # the head learned from the value loss
         assert first.critic.head.weight.abs().sum() > 0
-    state = {"trainer": first.state_dict(), "buffer": ReplayBuffer(1).state_dict()}
+    # PPO's V_old, stored with each sample at its first use, travels with the buffer.
+    assert all((s.old_values is not None) == (loss == "ppo") for s in samples)
+    state = {"trainer": first.state_dict(), "buffer": buffer.state_dict()}
     save_checkpoint(tmp_path, 1, state, keep=1)
-    second = trainer(tiny_model, tokenizer, loss=loss, value_model=value_model)
-    second.load_state_dict(latest_checkpoint(tmp_path).state["trainer"])
-    a, b = first.step(groups, beta=0.1), second.step(groups, beta=0.1)
+    loaded = latest_checkpoint(tmp_path).state
+    second = trainer(tiny_model, tokenizer, loss=loss, ppo={"value_model": value_model})
+    second.load_state_dict(loaded["trainer"])
+    restored = ReplayBuffer(1)
+    restored.load_state_dict(loaded["buffer"])
+    copies = {(c.prompt_id, c.seq, tuple(c.response_ids)): c
+              for p in restored._prompts.values() for c in p.values()}  # fmt: skip
+    assert [copies[(s.prompt_id, s.seq, tuple(s.response_ids))].old_values
+            for s in samples] == [s.old_values for s in samples]  # fmt: skip
+    copied = [[copies[(s.prompt_id, s.seq, tuple(s.response_ids))] for s in group]
+              for group in groups]  # fmt: skip
+    a, b = first.step(groups, beta=0.1), second.step(copied, beta=0.1)
     for key in ("loss", "grad_norm", "value_loss", "value_grad_norm"):
         assert a.get(key) == b.get(key), key
     for p, q in zip(first.model.parameters(), second.model.parameters()):
@@ -443,6 +489,67 @@ def test_a_step_then_a_checkpoint_continues_exactly(tmp_path, tiny_model, tokeni
     if loss == "ppo":
         for p, q in zip(first.critic.parameters(), second.critic.parameters()):
             assert torch.equal(p, q)
+
+
+def searcher_groups(model, tokenizer, seed: int = 0) -> tuple[list, list[list]]:
+    """Two prompts' samples from a searcher on `model`, rewards of both kinds, and their groups."""
+    searcher = Searcher(frozen_copy(model), tokenizer, ROWS, [ends_with_answer],
+                        searcher_settings(), seed=seed)  # fmt: skip
+    samples, _ = searcher.generate(num_prompts=2)
+    for s in samples[seed % 3 :: 3]:
+        s.reward = 1.0
+    prompts = dict.fromkeys(s.prompt_id for s in samples)
+    return samples, [[s for s in samples if s.prompt_id == p] for p in prompts]
+
+
+def test_a_sample_trained_again_keeps_the_old_values_of_its_first_use(tiny_model, tokenizer):
+    samples, _ = searcher_groups(tiny_model, tokenizer)
+    buffer = ReplayBuffer(64, fresh_uses=2)  # TRL's num_iterations = 2
+    buffer.add(samples)
+    ppo = trainer(tiny_model, tokenizer, loss="ppo")
+    with torch.no_grad():  # a critic whose values are not all 0 from the start
+        ppo.critic.head.bias.fill_(0.3)
+    rng = np.random.default_rng(0)
+    uses: dict[int, list] = {}  # id(sample) -> the old values each use saw
+    value_means = []
+    for _ in range(4):  # 2 prompts of 4 samples, each used twice: 4 batches of 1 x 4
+        batch = buffer.sample(1, 4, rng)
+        assert batch.fresh == 1
+        first_use = [s.old_values is None for s in batch.groups[0]]
+        stats = ppo.step(batch.groups, beta=0.1)
+        value_means.append(stats["value_mean"])
+        for s, first in zip(batch.groups[0], first_use):
+            assert len(s.old_values) == len(s.response_ids)
+            uses.setdefault(id(s), []).append(list(s.old_values))
+            assert first == (len(uses[id(s)]) == 1)
+        tokens = sum(len(s.old_values) for s in batch.groups[0])
+        mean = sum(sum(s.old_values) for s in batch.groups[0]) / tokens
+        assert stats["value_mean"] == pytest.approx(mean, rel=1e-5)  # GAE ran on V_old
+    assert len(uses) == len(samples) and all(len(seen) == 2 for seen in uses.values())
+    assert all(seen[0] == seen[1] for seen in uses.values())  # the same V_old both times
+    # The critic moved in between: a fresh copy of a sample now gets other values.
+    fresh = [Sample.from_dict({**s.to_dict(), "old_values": None}) for s in samples[:4]]
+    ppo.step([fresh], beta=0.1)
+    assert [s.old_values for s in fresh] != [s.old_values for s in samples[:4]]
+
+
+def test_a_first_use_trains_exactly_as_without_stored_values(tiny_model, tokenizer, monkeypatch):
+    """Two synchronous steps on fresh samples (fresh_uses=1): the same metrics and weights as a
+    trainer that never stores V_old (V_old = V detached, as before the field existed)."""
+    batches = [searcher_groups(tiny_model, tokenizer, seed=seed)[1] for seed in (0, 1)]
+    copies = [[[Sample.from_dict(s.to_dict()) for s in g] for g in groups] for groups in batches]
+    stored = trainer(tiny_model, tokenizer, loss="ppo")
+    with_stored = [stored.step(groups, beta=0.1) for groups in batches]
+    monkeypatch.setattr(trainer_module, "store_old_values", lambda samples, values: None)
+    plain = trainer(tiny_model, tokenizer, loss="ppo")
+    without = [plain.step(groups, beta=0.1) for groups in copies]
+    assert all(s.old_values is None for groups in copies for g in groups for s in g)
+    for a, b in zip(with_stored, without):
+        for key in a.keys() - {"train_seconds", "train_tokens_per_s"}:
+            assert a[key] == b[key] or (math.isnan(a[key]) and math.isnan(b[key])), key
+    for p, q in zip([*stored.model.parameters(), *stored.critic.parameters()],
+                    [*plain.model.parameters(), *plain.critic.parameters()]):  # fmt: skip
+        assert torch.equal(p, q)
 
 
 def test_ppo_and_vineppo_are_in_the_registry():
@@ -460,6 +567,13 @@ def step_records(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
+def stored_old_values(run_dir) -> dict[tuple, list[float] | None]:
+    """The old values (PPO's V_old) of every sample in the run's last checkpoint's buffer."""
+    buffer = latest_checkpoint(run_dir).state["buffer"]
+    return {(d["prompt_id"], d["searcher_id"], d["incarnation"], d["seq"]): d.get("old_values")
+            for _, entries in buffer["prompts"] for _, d in entries}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def policy_cache(tmp_path_factory):
     """One built-in base policy for the end-to-end runs of this module."""
@@ -471,7 +585,8 @@ def test_sync_run_trains_and_a_continued_run_matches_an_uninterrupted_one(
     tmp_path, policy_cache, loss
 ):
     common = [*FAST, f"pretrain.cache_dir={policy_cache}", f"train.loss={loss}",
-              "train.max_minutes=null", "eval.every=1000", "train.vineppo_rollouts=3"]  # fmt: skip
+              "train.max_minutes=null", "eval.every=1000",
+              *(["train.vineppo.rollouts=3"] if loss == "vineppo" else [])]  # fmt: skip
     reference, continued = tmp_path / "reference", tmp_path / "continued"
     assert main(["train", *common, "train.max_steps=4", f"output_dir={reference}"]) == 0
     assert main(["train", *common, "train.max_steps=2", f"output_dir={continued}"]) == 0
@@ -487,6 +602,13 @@ def test_sync_run_trains_and_a_continued_run_matches_an_uninterrupted_one(
         assert {"value_loss", "explained_variance", "value_grad_norm"} <= set(expected[4])
         head = latest_checkpoint(continued).state["trainer"]["optimizer"]["value.head.weight"]
         assert head.abs().sum() > 0  # the value head was trained, and saved
+        # V_old of every sample trained on, kept in the buffer, the same after the resume.
+        kept, resumed = stored_old_values(reference), stored_old_values(continued)
+        assert kept.keys() == resumed.keys() and any(v is not None for v in kept.values())
+        for key, values in kept.items():
+            assert (values is None) == (resumed[key] is None), key
+            if values is not None:
+                assert resumed[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
     else:  # the rollouts are generated samples: counted with the samples
         assert all(r["rollouts_in"] > 0 for r in expected.values())
         summary = json.loads((reference / "eval.json").read_text())
@@ -511,9 +633,10 @@ def test_async_ppo_trains_and_checkpoints_its_critic(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["train.value_model=critic", "lora.r=4"], "train.value_model=critic copies the whole policy"),
+    (["train.ppo.value_model=critic", "lora.r=4"],
+     "train.ppo.value_model=critic copies the whole policy"),
     (["trainer.world_size=2"], "train.loss=ppo trains on one rank"),
-    (["train.gae_lambda=1.5"], "train.gae_lambda"),
+    (["train.ppo.gae_lambda=1.5"], "train.ppo.gae_lambda"),
 ])  # fmt: skip
 def test_settings_ppo_cannot_run_are_refused_in_one_line(capsys, overrides, message):
     assert main(["config", "train.loss=ppo", *overrides]) == 2

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from tba import TBAConfig, TBATrainer
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import latest_checkpoint, save_checkpoint
-from tba.config import LoraConfig, QuantizationConfig, load_config
+from tba.config import LoraConfig, QuantizationConfig, TrainConfig, load_config
 from tba.core import Sample
 from tba.errors import ConfigError
 from tba.policy.logprobs import token_logprobs
@@ -120,8 +120,8 @@ def test_a_qlora_trainer_checkpoints_its_adapters_and_resumes_exactly(tmp_path, 
 
     def trainer() -> Trainer:
         model = quantized_policy(policy_dir, SETTINGS["nf4, double"])
-        return Trainer(model, pad_id=tokenizer.pad_token_id, temperature=1.0,
-                       learning_rate=1e-2, max_grad_norm=1.0)  # fmt: skip
+        return Trainer(model, TrainConfig(learning_rate=1e-2, max_grad_norm=1.0),
+                       pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
 
     first = trainer()
     first.step([group], beta=0.1)

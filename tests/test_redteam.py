@@ -205,9 +205,9 @@ def test_redteam_presets_apply_unless_set():
     config = load_config(None, ["task.name=redteam", "train.group_size=8"])
     assert config.policy.model == "builtin:redteam" and config.policy.max_new_tokens == 12
     assert config.buffer.dedup == "near" and config.train.group_size == 8
-    assert config.train.trust_region == "none" and config.train.beta == 0.3
+    assert config.train.tb.trust_region == "none" and config.train.beta == 0.3
     assert config.train.learning_rate == 1e-3 and config.train.max_steps == 2500
-    assert config.train.log_z == "learned"
+    assert config.train.tb.log_z == "learned"
     assert load_config(None, []).buffer.dedup == "none"  # other tasks keep the defaults
 
 

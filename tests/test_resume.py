@@ -23,7 +23,7 @@ from test_train_e2e import FAST
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import check_compatible, latest_checkpoint, list_checkpoints, save_checkpoint
 from tba.cli import main
-from tba.config import load_config
+from tba.config import TrainConfig, load_config
 from tba.core import Sample
 from tba.errors import CheckpointError
 from tba.policy.model import frozen_copy
@@ -211,8 +211,8 @@ def test_trainer_state_round_trips_exactly_through_a_checkpoint(tmp_path, tiny_m
              for t, r in [("1", 1.0), ("22", 0.0)]]  # fmt: skip
 
     def trainer(model):
-        return Trainer(model, pad_id=tokenizer.pad_token_id, temperature=1.0,
-                       learning_rate=1e-2, max_grad_norm=1.0, warmup_steps=3)  # fmt: skip
+        return Trainer(model, TrainConfig(learning_rate=1e-2, max_grad_norm=1.0, warmup_steps=3),
+                       pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
 
     first = trainer(frozen_copy(tiny_model).requires_grad_(True))
     first.step([group], beta=0.1)

@@ -16,6 +16,7 @@ from tba.config import load_config
 from tba.core import Sample
 from tba.loop import trainer_threads
 from tba.runtime.feed import make_feed
+from tba.runtime.pool import Searchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_pool import searcher_seed
 from tba.searcher import SearchSettings
@@ -44,6 +45,7 @@ class FakeSearchers:
     """Makes one group of samples per call, with the version it was last given."""
 
     needs_weights = True
+    publish_from = Searchers.publish_from
 
     def __init__(self, group_size: int = 2) -> None:
         self.group_size = group_size

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
 import torch
 
+from tba.config import RunConfig, TrainConfig
 from tba.core import Sample
+from tba.objectives import OBJECTIVES, LossInputs, Needs, Objective
 from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import build_tiny_llama, frozen_copy
 from tba.searcher import PromptStream, Searcher, SearchSettings
@@ -19,6 +22,12 @@ ROWS = [{"prompt": f"Q{i}\n", "answer": str(i)} for i in range(5)]
 
 def always_one(prompts, completions, **columns):
     return [1.0] * len(completions)
+
+
+def train(learning_rate: float = 1e-3, **settings) -> TrainConfig:
+    """The config's `train` section with `settings`; a `learning_rate` of 0 (a step's gradient
+    without its update, which a run's config refuses) is set past its validation."""
+    return TrainConfig(**settings).model_copy(update={"learning_rate": learning_rate})
 
 
 def settings(**overrides) -> SearchSettings:
@@ -102,10 +111,8 @@ def test_one_tb_step_raises_the_rewarded_response(tiny_model, tokenizer, trust_r
                behaviour_token_logps=tokens[i, : len(r)].tolist(), version=0)
         for i, (r, lp) in enumerate(zip(responses, before))
     ]  # fmt: skip
-    trainer = Trainer(
-        tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0, learning_rate=1e-3,
-        max_grad_norm=1.0, trust_region=trust_region,
-    )  # fmt: skip
+    trainer = Trainer(tiny_model, train(tb={"trust_region": trust_region}),
+                      pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
     metrics = trainer.step([group], beta=0.5)
     with torch.no_grad():
         after = sequence_logprobs(tiny_model, [prompt] * 3, responses, pad_id=0)
@@ -133,8 +140,8 @@ def test_micro_batches_give_the_same_gradient(tokenizer, trust_region):
     grads = []
     for micro in (None, 1):
         trainer = Trainer(
-            model(), pad_id=0, temperature=1.0, learning_rate=0.0, max_grad_norm=1e9,
-            micro_batch_groups=micro, trust_region=trust_region,
+            model(), train(0.0, max_grad_norm=1e9, micro_batch_groups=micro,
+                           tb={"trust_region": trust_region}), pad_id=0, temperature=1.0,
         )  # fmt: skip
         trainer.step(groups, beta=0.1)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
@@ -148,10 +155,8 @@ def test_every_loss_trains_on_searcher_samples(tiny_model, tokenizer, loss):
     for i, s in enumerate(samples):
         s.reward = float(i % 3)  # distinct rewards in every group (a random policy rarely stops)
     groups = [[s for s in samples if s.prompt_id == pid] for pid in {s.prompt_id for s in samples}]
-    trainer = Trainer(
-        tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0, learning_rate=1e-2,
-        max_grad_norm=1.0, loss=loss,
-    )  # fmt: skip
+    trainer = Trainer(tiny_model, train(1e-2, loss=loss), pad_id=tokenizer.pad_token_id,
+                      temperature=1.0)  # fmt: skip
     before = [p.detach().clone() for p in tiny_model.parameters()]
     metrics = trainer.step(groups, beta=0.1)
     assert all(np.isfinite(v) for v in metrics.values())
@@ -159,10 +164,99 @@ def test_every_loss_trains_on_searcher_samples(tiny_model, tokenizer, loss):
     assert any(not torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
 
 
-def test_unknown_loss_is_refused(tiny_model, tokenizer):
-    with pytest.raises(ValueError, match="unknown loss 'a2c'; available: tb, dr_grpo"):
-        Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3, max_grad_norm=1.0,
-                loss="a2c")  # fmt: skip
+def by_prompt(samples: list[Sample]) -> list[list[Sample]]:
+    return [[s for s in samples if s.prompt_id == p] for p in dict.fromkeys(
+        s.prompt_id for s in samples)]  # fmt: skip
+
+
+def small_run(**train) -> RunConfig:
+    return RunConfig(policy={"max_new_tokens": 6}, train={"group_size": 3, **train})
+
+
+@pytest.mark.parametrize("loss", list(OBJECTIVES))
+def test_each_objective_is_given_exactly_what_its_needs_ask_for(tiny_model, tokenizer, loss,
+                                                                monkeypatch):  # fmt: skip
+    """The searchers and the trainer read the registry's `Needs`, not the name: every objective
+    gets what its needs ask for and nothing it does not (each setting its needs read is set)."""
+    objective = OBJECTIVES[loss]
+    needs = objective.needs
+    given: list[LossInputs] = []
+
+    def spy(x: LossInputs):
+        given.append(x)
+        return objective(x)
+
+    monkeypatch.setitem(OBJECTIVES, loss, Objective(spy, needs))
+    sections = {}
+    if needs.learned_log_z:
+        sections["tb"] = {"log_z": "learned"}
+    if needs.step_values:
+        sections["vineppo"] = {"rollouts": 2, "delimiter": "1"}
+    config = small_run(loss=loss, **sections)
+    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one],
+                        SearchSettings.from_config(config), seed=0)  # fmt: skip
+    samples, _ = searcher.generate(num_prompts=2)
+    for i, s in enumerate(samples):
+        s.reward = float(i % 3)
+    assert [s.ref_token_logps is not None for s in samples] == [needs.token_ref_logp] * 6
+    assert [s.step_values is not None for s in samples] == [needs.step_values] * 6
+    trainer = Trainer(frozen_copy(tiny_model).requires_grad_(True), config.train,
+                      pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
+    metrics = trainer.step(by_prompt(samples), beta=0.1)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    (x,) = given
+    assert x.settings is config.train and x.samples == samples
+    assert (x.values is not None) == (trainer.critic is not None) == needs.critic
+    assert ("value_grad_norm" in metrics) == needs.critic
+    assert (x.ref_token_logp is not None) == needs.token_ref_logp
+    assert (x.log_z is not None) == (trainer.log_z_head is not None) == needs.learned_log_z
+    # Context samples join their groups' statistics only where the objective has them.
+    group = by_prompt(samples)[0]
+    if needs.group_statistics:
+        assert math.isfinite(trainer.step([group[:2]], beta=0.1, context=[group[2:]])["loss"])
+    else:
+        with pytest.raises(ValueError, match=f"{loss} has no group statistics"):
+            trainer.step([group[:2]], beta=0.1, context=[group[2:]])
+
+
+def test_a_new_objective_is_its_registry_entry_alone(tiny_model, tokenizer, monkeypatch):
+    """An objective that the searchers, the trainer and its checkpoints never heard of trains
+    from its entry alone: a critic and per-token reference log-probs, as its needs ask."""
+
+    def value_regression(x: LossInputs):
+        advantage = x.rewards - x.rewards.mean()
+        value_loss = ((x.values - x.rewards[:, None]).pow(2) * x.mask).sum() / len(x.rewards)
+        kl = ((x.token_logp.detach() - x.ref_token_logp) * x.mask).sum(dim=1)
+        loss = -(advantage * x.token_logp.sum(dim=1)).mean() + value_loss
+        return loss, {"value_loss": value_loss.detach(), "kl": kl.mean()}
+
+    monkeypatch.setitem(OBJECTIVES, "value_regression",
+                        Objective(value_regression, Needs(critic=True, token_ref_logp=True)))
+    # The config's names are the registry's when it is imported: a name registered since is set
+    # past its validation.
+    config = small_run()
+    config = config.model_copy(update={"train": config.train.model_copy(
+        update={"loss": "value_regression"})})  # fmt: skip
+    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one],
+                        SearchSettings.from_config(config), seed=0)  # fmt: skip
+    samples, _ = searcher.generate(num_prompts=2)
+    for i, s in enumerate(samples):
+        s.reward = float(i % 3)
+    assert all(s.ref_token_logps is not None for s in samples)
+    trainer = Trainer(frozen_copy(tiny_model).requires_grad_(True), config.train,
+                      pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.step(by_prompt(samples), beta=0.1)
+    assert metrics["value_loss"] > 0 and metrics["value_grad_norm"] > 0
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-5)  # policy and reference: one model yet
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert trainer.critic.head.weight.abs().sum() > 0
+    assert trainer.state_dict()["optimizer"]["value.head.weight"].abs().sum() > 0
+
+
+def test_unknown_loss_is_refused():
+    with pytest.raises(ValueError, match="loss\n  Input should be 'tb', 'dr_grpo'"):
+        train(loss="a2c")
 
 
 @pytest.mark.parametrize("loss", ["rloo", "dr_grpo"])
@@ -181,27 +275,24 @@ def test_baseline_kl_behaviour_reads_the_sampled_log_prob(tiny_model, tokenizer,
                    behaviour_token_logps=lps, version=0)
             for i, (ids, r, lps) in enumerate(zip(responses, [1.0, 0.0, 0.5], own))
         ]  # fmt: skip
-        trainer = Trainer(
-            copy.deepcopy(tiny_model), pad_id=0, temperature=1.0, learning_rate=0.0,
-            max_grad_norm=1e9, loss=loss, baseline_kl=baseline_kl,
-        )  # fmt: skip
+        trainer = Trainer(copy.deepcopy(tiny_model),
+                          train(0.0, max_grad_norm=1e9, loss=loss, baseline_kl=baseline_kl),
+                          pad_id=0, temperature=1.0)  # fmt: skip
         trainer.step([group], beta=0.5)
         return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
 
     current = gradient("current", drift=1.0)
     assert torch.allclose(gradient("behaviour", drift=0.0), current, atol=1e-6, rtol=1e-4)
     assert not torch.allclose(gradient("behaviour", drift=1.0), current, atol=1e-6, rtol=1e-4)
-    with pytest.raises(ValueError, match="unknown baseline_kl 'old'; available: current"):
-        Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3, max_grad_norm=1.0,
-                baseline_kl="old")  # fmt: skip
+    with pytest.raises(ValueError, match="baseline_kl\n  Input should be 'current' or 'behaviour'"):
+        train(baseline_kl="old")
 
 
 def test_clipped_losses_need_per_token_behaviour_logps(tiny_model, tokenizer):
     prompt = tokenizer("Q\n")["input_ids"]
     group = [Sample(0, prompt, [5, 6], reward=float(i), ref_logp=-2.0, behaviour_logp=-2.0,
                     version=0) for i in range(2)]  # fmt: skip
-    trainer = Trainer(tiny_model, pad_id=0, temperature=1.0, learning_rate=1e-3,
-                      max_grad_norm=1.0, loss="dr_grpo")  # fmt: skip
+    trainer = Trainer(tiny_model, train(loss="dr_grpo"), pad_id=0, temperature=1.0)
     with pytest.raises(ValueError, match="per-token behaviour log-probs"):
         trainer.step([group], beta=0.1)
 
@@ -218,14 +309,14 @@ def test_learned_log_z_starts_at_vargrad_and_survives_a_checkpoint(tiny_model, t
         logp = sequence_logprobs(tiny_model, [prompt] * 3, responses, pad_id=0)
     beta = 0.5
     vargrad = float((torch.tensor([1.0, 0.0, 0.5]) / beta - logp - 2.0).mean())  # ref_logp -2
-    trainer = Trainer(tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0,
-                      learning_rate=0.0, max_grad_norm=1.0, log_z="learned",
-                      log_z_lr=0.0)  # fmt: skip
+    settings = train(0.0, tb={"log_z": "learned"})
+    settings.tb = settings.tb.model_copy(update={"log_z_lr": 0.0})  # past its validation too
+    trainer = Trainer(tiny_model, settings, pad_id=tokenizer.pad_token_id, temperature=1.0)
     trainer.step([group], beta=beta)
     assert trainer.log_z_head.ready
     assert trainer.log_z_head.head.bias.item() == pytest.approx(vargrad, abs=1e-4)
-    other = Trainer(tiny_model, pad_id=tokenizer.pad_token_id, temperature=1.0,
-                    learning_rate=0.0, max_grad_norm=1.0, log_z="learned")  # fmt: skip
+    other = Trainer(tiny_model, train(0.0, tb={"log_z": "learned"}),
+                    pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
     other.load_state_dict(trainer.state_dict())
     assert other.log_z_head.ready
     assert other.log_z_head.head.bias.item() == pytest.approx(vargrad, abs=1e-4)
@@ -262,8 +353,9 @@ def test_context_samples_enter_the_group_statistics_without_gradient(tokenizer, 
 
     def step_gradient(groups: list[list[Sample]],
                       context: list[list[Sample]] | None) -> torch.Tensor:  # fmt: skip
-        trainer = Trainer(copy.deepcopy(model), pad_id=0, temperature=1.0, learning_rate=0.0,
-                          max_grad_norm=1e9, loss=loss, trust_region="none")  # fmt: skip
+        plain = {"tb": {"trust_region": "none"}} if loss == "tb" else {}  # TB's own setting
+        trainer = Trainer(copy.deepcopy(model), train(0.0, max_grad_norm=1e9, loss=loss, **plain),
+                          pad_id=0, temperature=1.0)  # fmt: skip
         trainer.step(groups, beta=beta, context=context)
         return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from tba.buffer import ReplayBuffer
-from tba.config import load_config
+from tba.config import TrainConfig, load_config
 from tba.policy.engines import BuiltinEngine
 from tba.policy.model import get_weights, load_policy, set_weights
-from tba.runtime import launch
+from tba.runtime import placement
 from tba.runtime.feed import make_feed
-from tba.runtime.launch import open_searchers, open_trainer, shares_trainer_model
+from tba.runtime.launch import open_searchers, open_trainer
+from tba.runtime.placement import shares_trainer_model
 from tba.tasks.math.task import math_task
 from tba.trainer import Trainer
 
@@ -100,10 +101,10 @@ def test_after_three_steps_it_samples_what_a_fresh_copy_with_the_trainers_weight
 def test_it_keeps_its_own_copy_where_sharing_would_change_the_samples(tiny_model, monkeypatch):
     """Sharing needs the trainer in this process, on the searcher's device, and a publish before
     every generation."""
-    trainer = Trainer(tiny_model.train(), pad_id=0, temperature=1.0, learning_rate=1e-3,
-                      max_grad_norm=1.0)  # fmt: skip
+    trainer = Trainer(tiny_model.train(), TrainConfig(learning_rate=1e-3, max_grad_norm=1.0),
+                      pad_id=0, temperature=1.0)  # fmt: skip
     config = load_config(None, OVERRIDES)
     assert shares_trainer_model(config, trainer)
     assert not shares_trainer_model(load_config(None, [*OVERRIDES, "train.sync_every=2"]), trainer)
-    monkeypatch.setattr(launch, "resolve_device", lambda device: torch.device("meta"))
+    monkeypatch.setattr(placement, "searcher_device", lambda config: torch.device("meta"))
     assert not shares_trainer_model(config, trainer)  # the searcher's device is another

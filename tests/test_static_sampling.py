@@ -8,7 +8,9 @@ capture, the guards and the recompilations, without inductor's code generation, 
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from collections import Counter
 from unittest import mock
 
@@ -281,9 +283,66 @@ def test_one_compilation_per_bucket():
     # as one graph would fail there, were the limit not raised while generating.
     with torch._dynamo.config.patch(cache_size_limit=1):
         sampler.generate(PROMPTS * 2, eos_id=3, pad_id=PAD, max_new_tokens=12, greedy=True)
-        sampler.generate(PROMPTS[:2], eos_id=3, pad_id=PAD, max_new_tokens=12, greedy=True)
-    assert counter.frame_count == 3  # 12 rows: the bucket of 16; 2 rows: of 2
+        sampler.generate(PROMPTS[:2], eos_id=3, pad_id=PAD, max_new_tokens=100, greedy=True)
+    assert counter.frame_count == 3  # 12 rows: the bucket of 16; 2 rows of 109: of (2, 128)
+    assert list(sampler.buckets) == [(16, 64), (2, 128)]  # at most 2 kept: (8, 64) was freed
+    # A batch that a kept bucket can hold runs in it: nothing allocated, nothing compiled.
+    sampler.generate(PROMPTS[:3], eos_id=3, pad_id=PAD, max_new_tokens=12, greedy=True)
+    assert counter.frame_count == 3 and list(sampler.buckets) == [(2, 128), (16, 64)]
     assert bucket(12, 70) == (16, 128) and bucket(8, 64) == (8, 64) and bucket(1, 1) == (1, 64)
+
+
+@pytest.mark.parametrize("kind", ["static", "compiled"])
+def test_the_buckets_kept_are_bounded_and_the_rest_freed(model, kind):
+    """Many distinct shapes, each too big for the buckets kept: at most `max_buckets` stay, the
+    others are freed (nothing, compiled code included, holds on to their buffers), and each holds
+    what the module's docstring says."""
+    sampler = static_sampler(model, kind)
+    sampler.buckets.limit = 3
+    freed = []
+    for rows, max_new in [(1, 10), (2, 60), (3, 10), (5, 130), (9, 10), (17, 200), (33, 10)]:
+        sampler.generate([[1, 5, 6]] * rows, eos_id=-1, pad_id=PAD, max_new_tokens=max_new,
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+        assert len(sampler.buckets) <= 3
+        shape = bucket(rows, 3 + max_new)
+        assert next(reversed(sampler.buckets)) == shape  # allocated and used last
+        freed.append(weakref.ref(sampler.buckets[shape].noise))
+    gc.collect()
+    assert [ref() is None for ref in freed] == [True] * 4 + [False] * 3
+    c = model.config
+    layers, kv_heads = c.num_hidden_layers, c.num_key_value_heads
+    head_dim = c.hidden_size // c.num_attention_heads
+    for (rows, length), b in sampler.buckets.items():
+        cache = 2 * layers * rows * kv_heads * head_dim * length * 4  # float32
+        assert b.nbytes == cache + rows * VOCAB * 8 + rows * length * 20 + rows * 17 + 4
+    with pytest.raises(ValueError, match="max_buckets=0"):
+        StaticSampler(model, compile=False, max_buckets=0)
+
+
+@pytest.mark.parametrize("kind", ["static", "compiled"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_bigger_kept_bucket_samples_what_a_bucket_of_its_own_does(model, kind, greedy):
+    """A generation served by a kept bucket with more rows and positions than its own draws the
+    same noise for its rows, and samples the same tokens and log-probs, bit for bit."""
+    eos = 3
+    handle = add_eos_bias(model, eos)
+    try:
+        options = dict(eos_id=eos, pad_id=PAD, max_new_tokens=MAX_NEW, temperature=0.8,
+                       greedy=greedy)  # fmt: skip
+
+        def draw(sampler):
+            generator = torch.Generator().manual_seed(3)
+            first = sampler.generate(PROMPTS, generator=generator, **options)
+            return first, sampler.generate(PROMPTS[:3], generator=generator, **options)
+
+        reused = static_sampler(model, kind)
+        reused.generate(PROMPTS * 4, eos_id=eos, pad_id=PAD, max_new_tokens=70)
+        assert list(reused.buckets) == [(32, 128)]
+        expected = draw(static_sampler(model, kind))
+        assert draw(reused) == expected and list(reused.buckets) == [(32, 128)]
+    finally:
+        handle.remove()
+    assert len({len(r) for r in expected[0].response_ids}) >= 3  # ends at different steps
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from transformers import BitsAndBytesConfig
 from tba import TBAConfig
 from tba.config import load_config
 from tba.errors import ConfigError
+from tba.loop import step_limit
 from tba.trl_args import TRL_ARGUMENTS, TRL_DEFAULTS, Ignored, Mapped, Refused, reference_page
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,14 +79,14 @@ MAPPED = {
     "output_dir": ("out", {"output_dir": "out"}),
     "seed": (7, {"seed": 7}),
     "learning_rate": (3e-5, {"train.learning_rate": 3e-5}),
-    "max_steps": (12, {"train.max_steps": 12, "train.num_epochs": None,
-                       "train.max_minutes": None}),
+    "max_steps": (12, {"train.max_steps": 12, "train.max_minutes": None}),
     "num_train_epochs": (2, {"train.num_epochs": 2.0, "train.max_minutes": None}),
     "warmup_steps": (5, {"train.warmup_steps": 5, "train.warmup_ratio": 0.0}),
     "warmup_ratio": (0.1, {"train.warmup_ratio": 0.1, "train.warmup_steps": 0}),
     "lr_scheduler_type": ("cosine", {"train.lr_schedule": "cosine"}),
     "weight_decay": (0.01, {"train.weight_decay": 0.01}),
     "max_grad_norm": (0.5, {"train.max_grad_norm": 0.5}),
+    "optim": ("adamw_bnb_8bit", {"train.optimizer": "adamw_8bit"}),
     "gradient_checkpointing": (False, {"train.gradient_checkpointing": False}),
     "activation_checkpointing": (False, {"train.gradient_checkpointing": False}),
     "beta": (0.04, {"train.beta": 0.04}),
@@ -237,7 +238,8 @@ def test_a_config_starts_from_trls_defaults_where_the_script_sets_nothing():
     # A run's length set in tba's sections: TRL's linear decay over its epochs does not apply.
     assert mine.train.lr_schedule == "constant"
     assert TBAConfig(train={"max_minutes": 5.0}).train.num_epochs is None
-    assert TBAConfig(max_steps=5, num_train_epochs=3).train.num_epochs is None  # as in TRL
+    # As in TRL, a step limit wins over the epochs (`tests/test_step_limit.py`).
+    assert step_limit(TBAConfig(max_steps=5, num_train_epochs=3).train, 1000) == 5
     # tba's own ways start from tba's defaults; the embedded tasks keep their presets.
     assert TBAConfig.from_overrides().policy.max_new_tokens == 40
     assert load_config(None, ["task.name=redteam"]).policy.max_new_tokens == 12
@@ -248,7 +250,7 @@ def test_tba_overrides_win_over_the_script_and_its_epochs(monkeypatch):
                        "train.max_steps=3")  # fmt: skip
     config = TBAConfig(beta=0.1, num_train_epochs=1)
     assert (config.train.mode, config.searchers.count, config.train.beta) == ("sync", 0, 0.2)
-    assert (config.train.max_steps, config.train.num_epochs) == (3, None)
+    assert step_limit(config.train, 1000) == 3
 
 
 @pytest.mark.parametrize(
@@ -308,10 +310,10 @@ def test_a_bitsandbytes_quantization_config_is_tbas_quantization(quantization, e
 
 
 def test_trackio_is_reported_to_when_installed(monkeypatch):
-    monkeypatch.setattr("tba.trl_args._installed", lambda name: name != "trackio")
+    monkeypatch.setattr("tba.trl_args.converters._installed", lambda name: name != "trackio")
     with pytest.raises(ConfigError, match=r"report_to='trackio': needs `pip install trackio`"):
         TBAConfig(report_to="trackio")
-    monkeypatch.setattr("tba.trl_args._installed", lambda name: True)
+    monkeypatch.setattr("tba.trl_args.converters._installed", lambda name: True)
     assert TBAConfig(report_to=["trackio", "none"]).report_to == ["trackio"]
     assert TBAConfig(report_to="all").report_to == ["tensorboard", "wandb", "trackio"]
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers.trainer_utils import TrainOutput
 
 from tba import TBAConfig, TBATrainer
+from tba.api import PushToHubError
 from tba.config import load_config
 from tba.errors import ConfigError
 from tba.policy.sampling import Generation
@@ -219,15 +220,15 @@ def test_a_failed_start_does_not_block_the_next_and_a_rerun_starts_afresh(tmp_pa
         TBATrainer(str(policy_dir), one, args=config, train_dataset=rows()).train(overwrite=False)
     with pytest.raises(ConfigError, match="resume_from_checkpoint='elsewhere': tba resumes"):
         trainer.train(resume_from_checkpoint="elsewhere")
-    # push_to_hub: offline, one line, and the trained policy stays where it is.
-    capsys.readouterr()
+    # push_to_hub offline: an error, as in TRL, saying where the trained policy is kept.
     monkeypatch = pytest.MonkeyPatch()
-    with monkeypatch.context() as patch:
+    with monkeypatch.context() as patch, pytest.raises(PushToHubError) as raised:
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        assert trainer.push_to_hub(dataset_name="local/rows") is None
-    line = capsys.readouterr().out.strip()
+        trainer.push_to_hub(dataset_name="local/rows")
+    line = str(raised.value)
     assert "\n" not in line and "push_to_hub: run was not uploaded" in line
-    assert "offline mode is enabled" in line and (run / "final" / "config.json").is_file()
+    assert "offline mode is enabled" in line and f"kept in {run / 'final'}" in line
+    assert (run / "final" / "config.json").is_file()
 
 
 class FakeHub:

@@ -32,21 +32,22 @@ from typing import Any
 
 import torch
 from huggingface_hub import HfApi
-from pydantic import BaseModel, PrivateAttr, ValidationError
+from pydantic import PrivateAttr, ValidationError
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.trainer_utils import TrainOutput
 
 from tba.config import RunConfig, apply_overrides, first_error_line, load_config
 from tba.core import RewardFn
-from tba.errors import ConfigError, first_line
-from tba.loop import train
+from tba.errors import ConfigError, RunError, first_line
+from tba.keys import get_key
+from tba.loop import Advice, train
 from tba.offline_eval import score_final
 from tba.policy.model import is_lora
 from tba.quiet import quiet_libraries
 from tba.rewards.scorer import check_reward_weights
 from tba.run_dir import RunExistsError, read_metrics
 from tba.tasks.custom import custom_task, prepare_rows, reward_functions
-from tba.trl_args import TOGETHER, TRACKERS, TrlSettings, from_trl, quantization_settings
+from tba.trl_args import TrlSettings, merge_arguments, quantization_settings
 
 OVERRIDES_VARIABLE = "TBA_OVERRIDES"
 
@@ -81,36 +82,14 @@ class TBAConfig(RunConfig):
 
 
 def _from_arguments(settings: dict[str, Any]) -> tuple[dict[str, Any], TrlSettings, dict]:
-    """tba sections as they are, TRL's arguments (on TRL's defaults) through `from_trl`, then
-    `TBA_OVERRIDES`: the data to validate, what TRL's names set, and the Hub upload's settings."""
-    native = {name: value for name, value in settings.items()
-              if name in RunConfig.model_fields and not _trl_report_to(name, value)}  # fmt: skip
-    trl = from_trl({k: v for k, v in settings.items() if k not in native})
-    data = {name: value.model_dump() if isinstance(value, BaseModel) else value
-            for name, value in native.items()}  # fmt: skip
-    hub: dict[str, Any] = {}
-    taken = set()
-    for dotted, value in trl.settings.items():
-        if dotted.startswith("hub."):
-            hub[dotted.removeprefix("hub.")] = value
-        elif _is_set(data, dotted):
-            if dotted not in trl.defaulted:
-                raise ConfigError(f"{dotted} is set twice: by {trl.sources[dotted]} and in "
-                                  f"{dotted.split('.')[0]}")  # fmt: skip
-        elif dotted not in trl.defaulted or not _set_beside(data, dotted):
-            taken.add(dotted)
-    for dotted in taken:
-        _set_nested(data, dotted, trl.settings[dotted])
+    """tba sections as they are and TRL's arguments (on TRL's defaults) merged
+    (`tba.trl_args.merge_arguments`), then `TBA_OVERRIDES`: the data to validate, what TRL's
+    names set, and the Hub upload's settings."""
+    data, trl, hub = merge_arguments(settings, RunConfig.model_fields)
     data, overridden = with_env_overrides(data)
     trl.sources = {key: source for key, source in trl.sources.items()
-                   if key in taken and key not in overridden}  # fmt: skip
+                   if key not in overridden}  # fmt: skip
     return data, trl, hub
-
-
-def _trl_report_to(name: str, value: Any) -> bool:
-    """TRL's way of writing report_to ("none", "all", one name): read by `from_trl`."""
-    return name == "report_to" and not (isinstance(value, list)
-                                        and all(tracker in TRACKERS for tracker in value))
 
 
 def env_overrides() -> list[str]:
@@ -120,40 +99,10 @@ def env_overrides() -> list[str]:
 
 def with_env_overrides(data: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     """`data` (nested settings) with `TBA_OVERRIDES` applied, and the keys it set: it wins over
-    the script, and a step limit there (`train.max_steps`) over the script's epochs, as
-    `max_steps` does in TRL."""
+    the script (a step limit there wins over the script's epochs by `loop.step_limit`'s rule)."""
     overrides = env_overrides()
     data = apply_overrides(data, overrides)
-    keys = {override.partition("=")[0].strip() for override in overrides}
-    if "train.max_steps" in keys and "train.num_epochs" not in keys:
-        _set_nested(data, "train.num_epochs", None)
-        keys.add("train.num_epochs")
-    return data, keys
-
-
-def _is_set(data: dict[str, Any], dotted: str) -> bool:
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _set_beside(data: dict[str, Any], dotted: str) -> bool:
-    """Whether the script set a setting that means something only together with `dotted`
-    (`TOGETHER`): then TRL's default for `dotted` stays out."""
-    return any(_is_set(data, other) for keys in TOGETHER if dotted in keys for other in keys)
-
-
-def _set_nested(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *sections, leaf = dotted.split(".")
-    node = data
-    for section in sections:
-        node = node.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{section} must be a mapping of settings")
-    node[leaf] = value
+    return data, {override.partition("=")[0].strip() for override in overrides}
 
 
 def _error_line(error: ValidationError, trl: TrlSettings) -> str:
@@ -168,6 +117,8 @@ def _error_line(error: ValidationError, trl: TrlSettings) -> str:
 
 API_ADVICE = ("continue it with trainer.train(resume_from_checkpoint=True), replace it with "
               "trainer.train(overwrite=True), or choose another output_dir")
+API_WORDS = Advice(resume="trainer.train(resume_from_checkpoint=True)",
+                   keep="train(overwrite=False) keeps it")  # fmt: skip
 
 
 class TrainResult(TrainOutput):
@@ -284,7 +235,12 @@ class TBATrainer:
         upload the trained policy then. Returns TRL's `TrainOutput` with tba's figures
         (`TrainResult`). As in TRL, a run already in `output_dir` is replaced, unless
         `resume_from_checkpoint` (True, or a checkpoint of `output_dir`) continues it from its
-        newest checkpoint; `overwrite=False` refuses to replace it instead."""
+        newest checkpoint (or evaluates and saves it, when its training was complete but its end
+        was cut short); `overwrite=False` refuses to replace it instead. A run replaced is said
+        in one line and kept aside until this one has its first checkpoint: a run that fails
+        before (a broken reward, Ctrl-C) leaves it as it was. Ctrl-C or SIGTERM during training
+        stops after the step and saves; elsewhere (the evaluations, the saves) it raises
+        `tba.errors.Interrupted`, a `KeyboardInterrupt` saying what is kept and how to go on."""
         quiet_libraries()
         for line in self.settings_lines():
             print(f"tba: {line}")
@@ -293,7 +249,8 @@ class TBATrainer:
             _check_checkpoint_path(Path(resume_from_checkpoint), Path(self.args.output_dir))
         try:
             self.run_dir = train(self.args, resume=resume, overwrite=overwrite and not resume,
-                                 task=self.task, save_policy=self._save_policy)  # fmt: skip
+                                 task=self.task, save_policy=self._save_policy,
+                                 advice=API_WORDS)  # fmt: skip
         except RunExistsError as error:
             raise RunExistsError(error.path, API_ADVICE) from None
         result = train_result(self.run_dir, self.args, len(self.task.train_rows))
@@ -307,7 +264,7 @@ class TBATrainer:
         lines = []
         if self.trl.sources:
             values = self.args.model_dump()
-            shown = [f"{key}={_nested(values, key)!r}{'*' if key in self.trl.defaulted else ''}"
+            shown = [f"{key}={get_key(values, key)!r}{'*' if key in self.trl.defaulted else ''}"
                      for key in sorted(self.trl.sources)]  # fmt: skip
             lines.append("from TRL's arguments (* TRL's default): " + ", ".join(shown))
         if self.trl.ignored:
@@ -341,8 +298,9 @@ class TBATrainer:
         `hub_model_id` (default: `output_dir`'s name, in your namespace), created if needed, as
         TRL's `trainer.push_to_hub` does; `model_card` keywords (`dataset_name`, `tags`, ...)
         go into its card. Returns the commit's URL; the upload always blocks (`blocking` is
-        TRL's keyword). When the upload fails (offline, no token, no network), one line says so
-        and returns None: the model stays where it is."""
+        TRL's keyword). When the upload fails (offline, no token, no network), `PushToHubError`
+        says why and where the trained policy is kept, as TRL raises its error: a script whose
+        upload failed does not end as if it had succeeded."""
         final = Path(self.args.output_dir) / "final"
         if not (final / "config.json").is_file():
             raise FileNotFoundError(f"no trained policy in {final}: call trainer.train() first")
@@ -357,10 +315,17 @@ class TBATrainer:
                 revision=revision or self.hub.get("revision"),
             )  # fmt: skip
         except Exception as error:  # noqa: BLE001 - offline, no token, no network, a refused repo
-            print(f"tba: push_to_hub: {repo} was not uploaded ({first_line(error)}); the trained "
-                  f"policy stays in {final}")  # fmt: skip
-            return None
+            raise PushToHubError(
+                f"push_to_hub: {repo} was not uploaded ({first_line(error)}); the trained policy "
+                f"is kept in {final}: push it with trainer.push_to_hub() once the Hub can be "
+                "reached"
+            ) from error
         return str(getattr(commit, "commit_url", commit))
+
+
+class PushToHubError(RunError):
+    """`TBATrainer.push_to_hub` could not upload the trained policy; the message says why and
+    where the policy is kept (the Hub's own error is its `__cause__`)."""
 
 
 def train_result(run_dir: Path, config: RunConfig, num_rows: int) -> TrainResult:
@@ -389,12 +354,6 @@ def _check_checkpoint_path(path: Path, output_dir: Path) -> None:
         raise ConfigError(f"resume_from_checkpoint={str(path)!r}: tba resumes the run in "
                           f"output_dir ({output_dir}) from its newest checkpoint; pass True, or "
                           "set output_dir to the run to resume")  # fmt: skip
-
-
-def _nested(values: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        values = values[part]
-    return values
 
 
 def _quantization_of(model: Any) -> dict[str, Any] | None:

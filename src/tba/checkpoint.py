@@ -6,7 +6,8 @@ A checkpoint is the run's state: one dict with each component's `state_dict()` u
 <run_dir>/checkpoints/step000120/
     model.safetensors      state["trainer"]["model"]: the policy (with LoRA: base and adapters; with
                            a quantized base only the adapters)
-    optimizer.safetensors  state["trainer"]["optimizer"]: Adam's moments, fp32 master weights
+    optimizer.safetensors  state["trainer"]["optimizer"]: Adam's moments (8-bit ones with their
+                           scales), fp32 master weights or Kahan compensations
     buffer.json.gz         state["buffer"]: the replay buffer, every sample in it
     state.json             everything else: step, weight version, schedule, RNG states, each
                            searcher's position in its prompt stream, counters, and the config
@@ -39,6 +40,8 @@ from safetensors.torch import load_file, save_file
 
 from tba.config import QuantizationConfig
 from tba.errors import CheckpointError, writing
+from tba.keys import get_key
+from tba.objectives import OBJECTIVES
 
 FORMAT = 2  # 2: one state dict, each component's under its name
 PARTIAL_PREFIX = ".partial-"
@@ -184,6 +187,11 @@ ADDED_SECTIONS = {"quantization": QuantizationConfig}
 # Settings under those that change how the run is measured or computed, not what it trains.
 FREE_KEYS = ("task.num_eval", "task.num_eval_pass_k", "task.reward_batch_size",
              "task.reward_device")  # fmt: skip
+# Settings that decide what the trainer saves beside the policy (a critic, a learned log Z),
+# with their defaults and the names runs written before `train.ppo` and `train.tb` gave them: a
+# checkpoint of one trainer does not load into another (`check_trainer_parts`).
+TRAINER_KEYS = {"train.loss": ("tb", ()), "train.ppo.value_model": ("head", ("train.value_model",)),
+                "train.tb.log_z": ("vargrad", ("train.log_z",))}  # fmt: skip
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
@@ -191,8 +199,8 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
     the settings that differ, and only those), or when it was trained by one process and this
     run shards the trainer, or the other way round (the two write their tensors differently;
     sharded runs resume on any number of ranks)."""
-    old_ranks = _get(saved, "trainer.world_size") or 1  # older runs had no such setting
-    new_ranks = _get(current, "trainer.world_size") or 1
+    old_ranks = get_key(saved, "trainer.world_size") or 1  # older runs had no such setting
+    new_ranks = get_key(current, "trainer.world_size") or 1
     if (old_ranks > 1) != (new_ranks > 1):
         raise CheckpointError(
             f"checkpoint {path} was written with trainer.world_size={old_ranks}, this run has "
@@ -210,10 +218,70 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
             f"checkpoint {path} was written with {shown}{more}; a checkpoint resumes only the "
             f"same {', '.join(IDENTITY_KEYS)}: set them back, or start a new run"
         )
+    check_trainer_parts(saved, current, path)
+    check_optimizer_state(saved, current, path)
+
+
+# Settings that decide the form of the optimizer's state in a checkpoint (torch's moments or
+# bitsandbytes' 8-bit ones, paged or not alike; fp32 masters or Kahan compensations), with the
+# value of runs written before them: a state of one form does not load as another.
+OPTIMIZER_KEYS = {"train.optimizer": "adamw", "train.master_weights": "fp32"}
+
+
+def check_optimizer_state(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Raise CheckpointError, naming the settings and their values then and now, when the
+    checkpoint's optimizer state has another form than this run's."""
+    old, new = ({key: get_key(config, key) or default for key, default in OPTIMIZER_KEYS.items()}
+                for config in (saved, current))  # fmt: skip
+    if [value.removeprefix("paged_") for value in old.values()] == [
+            value.removeprefix("paged_") for value in new.values()]:  # fmt: skip
+        return
+    shown = ", ".join(f"{key}={old[key]!r} (this run: {new[key]!r})" for key in OPTIMIZER_KEYS
+                      if old[key] != new[key])  # fmt: skip
+    raise CheckpointError(f"checkpoint {path} was written with {shown}: its optimizer state "
+                          "does not load into this run's; set it back, or start a new run")
+
+
+def check_trainer_parts(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Raise CheckpointError, naming the settings and their values then and now, when the
+    checkpoint's trainer saved other parts than this run's has (a critic, a value head or a
+    critic LM, a learned log Z): `train.loss=ppo` resumed as `tb`, say. An objective changed
+    without changing them (tb to grpo) resumes."""
+    old, new = _trainer_settings(saved), _trainer_settings(current)
+    if _trainer_parts(old) == _trainer_parts(new):
+        return
+    shown = ", ".join(f"{key}={old[key]!r} (this run: {new[key]!r})" for key in TRAINER_KEYS
+                      if old[key] != new[key])  # fmt: skip
+    raise CheckpointError(
+        f"checkpoint {path} was written with {shown}: a trainer with {_trainer_parts(old)} does "
+        f"not resume as one with {_trainer_parts(new)}; set it back, or start a new run"
+    )
+
+
+def _trainer_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """`TRAINER_KEYS` as `config` sets them (under their older names in older runs)."""
+    values = {}
+    for key, (default, older) in TRAINER_KEYS.items():
+        given = [get_key(config, name) for name in (key, *older)]
+        values[key] = next((value for value in given if value is not None), default)
+    return values
+
+
+def _trainer_parts(settings: dict[str, Any]) -> str:
+    """What a trainer of these settings saves beside the policy and its optimizer, in words."""
+    objective = OBJECTIVES.get(settings["train.loss"])
+    needs = getattr(objective, "needs", None)
+    parts = []
+    if needs is not None and needs.critic:
+        parts.append("a critic LM" if settings["train.ppo.value_model"] == "critic"
+                     else "a value head")  # fmt: skip
+    if needs is not None and needs.learned_log_z and settings["train.tb.log_z"] == "learned":
+        parts.append("a learned log Z")
+    return " and ".join(parts) or "no critic or learned log Z"
 
 
 def _identity(config: dict[str, Any], name: str) -> Any:
-    value = _get(config, name)
+    value = get_key(config, name)
     if value is None and name in ADDED_SECTIONS:
         return ADDED_SECTIONS[name]().model_dump()
     return value
@@ -225,10 +293,3 @@ def _differences(key: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
         return [difference for name in dict.fromkeys([*old, *new])
                 for difference in _differences(f"{key}.{name}", old.get(name), new.get(name))]
     return [] if old == new else [(key, old, new)]
-
-
-def _get(config: dict[str, Any], dotted: str) -> Any:
-    value: Any = config
-    for part in dotted.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value

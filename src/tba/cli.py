@@ -25,8 +25,11 @@ malformed file, a checkpoint that does not fit, a run directory without a run, s
 metric asked for, an output directory that cannot be written or that another run is using)
 prints one line naming the problem and exits with status 2; a run that cannot go on (a searcher
 that cannot be kept running, a reward function failing call after call or on a whole held-out
-evaluation, non-finite losses step after step), status 1; Ctrl-C stops after the current step,
-saves the run (checkpoint included) and exits with status 130.
+evaluation, non-finite losses step after step, a write that fails), status 1; Ctrl-C (SIGTERM)
+during training stops after the current step, saves the run (checkpoint included) and exits with
+status 130 (143); anywhere else in a run (its start, the evaluations, the saves), or a second
+time, it stops the run at once with one line saying what is kept and how to go on, and the same
+status.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ from rich.table import Table
 
 from tba import offline_eval
 from tba.config import ConfigError, dump_config, load_config, reference_page
-from tba.errors import CheckpointError, RunError
+from tba.errors import CheckpointError, Interrupted, RunError
 from tba.loop import train
 from tba.plots import plot_run_dirs
 from tba.quiet import quiet_libraries
+from tba.run_dir import check_writable, write_whole
 from tba.tasks import resolve_policy
 from tba.trl_args import reference_page as trl_reference_page
 
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "eval":
             return _eval(options.run_dir, options.overrides, options.snapshots)
         if options.command == "plot":
+            check_writable(options.out, "the plot", "choose another --out, or fix its permissions")
             drawn = plot_run_dirs(options.run_dirs, options.out, options.metric or (), options.x)
             print(f"{options.out} ({', '.join(drawn)} against {options.x})")
             return 0
@@ -167,20 +172,30 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run_dir = train(config, console, resume=resume is not None, overwrite=options.overwrite)
         summary = json.loads((run_dir / "eval.json").read_text())
-        console.log(f"{'interrupted, saved' if summary['interrupted'] else 'done'}: {run_dir}")
         if not summary["interrupted"]:
+            console.log(f"done: {run_dir}")
             return 0
+        stopped_by = summary.get("stopped_by") or "SIGINT"
+        console.log(f"stopped by {stopped_by} at step {summary['steps']}, saved: {run_dir} "
+                    f"(`tba train --resume {run_dir}` continues it)")  # fmt: skip
         # The shell's convention, 128 + the signal: 130 after Ctrl-C, 143 after SIGTERM.
-        return 128 + signal.Signals[summary.get("stopped_by") or "SIGINT"].value
+        return 128 + signal.Signals[stopped_by].value
     except (ConfigError, CheckpointError, FileExistsError, FileNotFoundError) as error:
         print(f"tba: error: {error}", file=sys.stderr)
         return 2
     except RunError as error:
         print(f"tba: error: {error}", file=sys.stderr)
         return 1
+    except Interrupted as error:  # a signal where the run could not finish its step and save
+        print(f"tba: interrupted {error}", file=sys.stderr)
+        return 128 + error.signum
     except KeyboardInterrupt:
         print("tba: interrupted", file=sys.stderr)
         return 130
+    except OSError as error:  # a write that failed (a full disk, a read-only directory)
+        where = f": {error.filename}" if error.filename else ""
+        print(f"tba: error: {error.strerror or error}{where}", file=sys.stderr)
+        return 1
 
 
 def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
@@ -190,15 +205,23 @@ def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
     threads = offline_eval.run_config(run_dir, overrides).policy.num_threads
     if threads:
         torch.set_num_threads(threads)
+    name = offline_eval.SNAPSHOT_SCORES if snapshots else offline_eval.FINAL_SCORES
+    # Before scoring, which takes minutes: the scores must have somewhere to go.
+    check_writable(run_dir / name, "the scores", "tba eval writes them into the run directory: "
+                   "make it writable, or copy the run somewhere you can write")  # fmt: skip
     if snapshots:
         points = offline_eval.score_snapshots(run_dir, overrides, log=console.log)
-        result, name = {"overrides": overrides, "points": points}, offline_eval.SNAPSHOT_SCORES
+        result = {"overrides": overrides, "points": points}
     else:
         points = [offline_eval.score_final(run_dir, overrides, log=console.log)]
-        result, name = {"overrides": overrides, **points[0]}, offline_eval.FINAL_SCORES
+        result = {"overrides": overrides, **points[0]}
     title = f"{run_dir}: {'base policy and snapshots' if snapshots else 'final policy'}"
     Console().print(_scores_table(points, title))
-    (run_dir / name).write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        write_whole(run_dir / name, json.dumps(result, indent=2) + "\n")
+    except OSError as error:
+        raise RunError(f"cannot write {run_dir / name} ({error.strerror or error}): the scores "
+                       "are printed above") from None  # fmt: skip
     console.log(f"wrote {run_dir / name}")
     return 0
 

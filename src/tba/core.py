@@ -61,14 +61,21 @@ class Sample:
     reward_metrics: dict[str, float] = field(default_factory=dict)
     # Per response token; the clipped-ratio baselines need them, TB does not.
     behaviour_token_logps: list[float] | None = None
-    # Per response token, for a per-token KL penalty (ppo, vineppo; None otherwise).
+    # Per response token, for a per-token KL penalty, where the objective's needs ask for them
+    # (`tba.objectives.Needs.token_ref_logp`: PPO, VinePPO; None otherwise).
     ref_token_logps: list[float] | None = None
-    # vineppo: the response split into steps (each step's end, exclusive; the last is the
-    # response's length), the Monte Carlo value of the state before each step, and the extra
-    # rollouts generated for those states that no earlier sample of the batch shared.
+    # Where the objective's needs ask for them (`Needs.step_values`: VinePPO): the response split
+    # into steps (each step's end, exclusive; the last is the response's length), the Monte Carlo
+    # value of the state before each step, and the extra rollouts generated for those states
+    # that no earlier sample of the batch shared.
     step_ends: list[int] | None = None
     step_values: list[float] | None = None
     rollouts: int = 0
+    # Per response token, where the objective's needs ask for a critic (`Needs.critic`: PPO):
+    # the critic's values V(s_t) at the sample's first use in training (PPO's V_old), set by the
+    # trainer and reused by every later use (`buffer.fresh_uses` > 1, replay); None until then,
+    # and in checkpoints written before the field existed.
+    old_values: list[float] | None = None
     # (searcher_id, incarnation, seq) names a sample uniquely within a run: the trainer checks
     # that every searcher process hands over 0, 1, 2, ... exactly once.
     incarnation: int = 0

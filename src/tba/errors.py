@@ -36,6 +36,16 @@ class TrainingError(RunError):
     """Training itself cannot go on (e.g. non-finite losses step after step)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C or SIGTERM where it could not first finish its step and save: the
+    message says when, what is kept and how to go on; `signum` is the signal (the exit status is
+    128 + it, the shell's convention)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 def first_line(error: BaseException) -> str:
     """An exception's message in one line: its first non-empty line (with the next one when it
     ends with a colon), else its type."""

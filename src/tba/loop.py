@@ -19,11 +19,14 @@ import contextlib
 import itertools
 import json
 import math
+import os
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,7 @@ from tba.config import ConfigError, RunConfig, TrainConfig, dump_config
 from tba.core import Task
 from tba.errors import (
     CheckpointError,
+    Interrupted,
     RunError,
     TrainingError,
     first_line,
@@ -55,23 +59,30 @@ from tba.objectives import ROW_MEAN_GROUP_OBJECTIVES, BetaSchedule
 from tba.peak_memory import PeakMemory
 from tba.plots import plot_curves
 from tba.policy.engines import require_vllm
-from tba.policy.model import check_devices, save_policy, snapshot_weights
+from tba.policy.model import save_policy, snapshot_weights
+from tba.policy.optimizers import check_optimizer
 from tba.policy.quantization import check_quantization
 from tba.policy.tokenizer import load_tokenizer
 from tba.rewards.scorer import check_reward_weights
 from tba.rng import RandomState
 from tba.run_dir import (
+    PARTIAL,
     EventLog,
     MetricsLog,
+    Replacement,
     SampleLog,
     create_run_dir,
     own_run_dir,
     read_metrics,
+    run_ended,
     save_snapshot,
+    settle_replacement,
     truncate_metrics,
+    write_whole,
 )
 from tba.runtime.feed import FEEDS, make_feed
 from tba.runtime.launch import open_searchers, open_trainer
+from tba.runtime.placement import check_devices
 from tba.runtime.pool import Searchers
 from tba.runtime.ray_trainer import RankedTrainer
 from tba.tally import Tally
@@ -97,9 +108,33 @@ def trainer_threads(config: RunConfig) -> int | None:
 
 
 class StopRequest(threading.Event):
-    """Set when the run is asked to stop after its current step; `signal` says by which signal."""
+    """Set when the run is asked to stop after its current step; `signal` says by which signal.
+    The run notes here what it is doing, for the line that a signal ending it at once says
+    (`stop_on_interrupt`, `interrupted_line`)."""
 
     signal: int | None = None
+    phase = "while starting"  # what the run was doing, in words
+    after_step = False  # in the training loop: a first signal stops the run after its step
+    aborting = False  # a signal stops the run at once
+    trained: int | None = None  # the step at which the loop reached its limit: the final
+    # evaluation and save are left
+    run_dir: Path | None = None
+    replacement: Replacement | None = None  # the run this one replaces, set aside until then
+    holding = False  # a moment not to cut short (`hold`): a signal waits for its end
+    held: int | None = None  # the signal that waits
+
+    def hold(self) -> None:
+        """From now until `release`, a signal waits: Ray stopping its processes and shutting
+        down must not be cut short by an exception raised inside it (the process can crash)."""
+        self.holding = True
+
+    def release(self) -> None:
+        """The end of `hold`: a signal that came meanwhile is handled now, as it would have been
+        then."""
+        self.holding = False
+        if self.held is not None:
+            signum, self.held = self.held, None
+            signal.raise_signal(signum)
 
 
 # Ctrl-C, and what `timeout`, Docker, Kubernetes and SLURM send before they kill a process.
@@ -108,15 +143,28 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @contextmanager
 def stop_on_interrupt() -> Iterator[StopRequest]:
-    """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (the run is then
-    checkpointed, evaluated and saved); a second one aborts."""
+    """Ctrl-C and SIGTERM for a whole run, from its start to its end. In the training loop the
+    first one asks the loop to stop after the current step (the run is then checkpointed,
+    evaluated and saved); anywhere else (the start, the evaluations, the saves), or a second
+    time, the run stops at once: a `KeyboardInterrupt` (what Ray's waits raise for one too) that
+    closes the searchers and shuts Ray down on its way out, and that `train` turns into one line
+    (`Interrupted`). A signal during that way out ends the process there."""
     stop = StopRequest()
 
     def handler(signum, frame) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
+        if stop.aborting:  # the way out is stuck, or the user will not wait for it
+            os.write(2, f"tba: interrupted again by {signal.Signals(signum).name}: exiting at "
+                        "once\n".encode())  # fmt: skip
+            os._exit(128 + signum)
+        if stop.holding:
+            stop.held = signum
+            return
         stop.signal = signum
-        stop.set()
+        if stop.after_step and not stop.is_set():
+            stop.set()
+            return
+        stop.aborting = True
+        raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():
         yield stop  # signals only reach the main thread
@@ -129,25 +177,70 @@ def stop_on_interrupt() -> Iterator[StopRequest]:
             signal.signal(number, old)
 
 
+@dataclass(frozen=True)
+class Advice:
+    """How the user goes on, in the caller's words (the command line's by default): `resume`
+    continues or finishes the run in {path}; `keep` keeps a run in output_dir instead of
+    replacing it."""
+
+    resume: str = "`tba train --resume {path}`"
+    keep: str = "without --overwrite it is kept"
+
+
 def train(
     config: RunConfig, console: Console | None = None, *, resume: bool = False,
     overwrite: bool = False, task: Task | None = None,
-    save_policy: Callable[[Path], None] | None = None,
-) -> Path:
+    save_policy: Callable[[Path], None] | None = None, advice: Advice = Advice(),
+) -> Path:  # fmt: skip
     """Train as `config` says, in `config.output_dir`; `resume`: continue the run there from its
-    newest checkpoint; `overwrite`: replace a run already there; `task`: train on this task
-    instead of the one `config.task` describes (the Python API's own data and rewards);
-    `save_policy(directory)`: writes the starting policy to `policy.model` once the run directory
-    exists (a model the Python API was given in memory, kept with the run). The run directory
-    is this process's alone until it returns (`tba.run_dir.own_run_dir`)."""
-    with contextlib.ExitStack() as owner:
-        return _train(config, console or Console(stderr=True), owner, resume=resume,
-                      overwrite=overwrite, task=task, save_policy=save_policy)  # fmt: skip
+    newest checkpoint (or, when it reached its limit but its end was not saved, evaluate and save
+    it); `overwrite`: replace a run already there (kept aside until this run has its first
+    checkpoint); `task`: train on this task instead of the one `config.task` describes (the
+    Python API's own data and rewards); `save_policy(directory)`: writes the starting policy to
+    `policy.model` once the run directory exists (a model the Python API was given in memory,
+    kept with the run); `advice`: how the caller's user goes on, in its words. The run directory
+    is this process's alone until it returns (`tba.run_dir.own_run_dir`). Ctrl-C and SIGTERM
+    are handled from start to end (`stop_on_interrupt`): one that cannot wait for a step to end
+    raises `Interrupted`, which says what is kept and how to go on."""
+    console = console or Console(stderr=True)
+    with stop_on_interrupt() as stop:
+        try:
+            with contextlib.ExitStack() as owner:
+                return _train(config, console, owner, stop, resume=resume, overwrite=overwrite,
+                              task=task, save_policy=save_policy, advice=advice)  # fmt: skip
+        except BaseException as error:
+            if isinstance(error, Interrupted) or not (stop.aborting or isinstance(
+                    error, KeyboardInterrupt)):  # fmt: skip
+                raise
+            signum = stop.signal or signal.SIGINT
+            raise Interrupted(interrupted_line(stop, signum, advice), signum) from None
+
+
+def interrupted_line(stop: StopRequest, signum: int, advice: Advice) -> str:
+    """What a run stopped at once by a signal says: when, what it keeps, how to go on."""
+    return f"by {signal.Signals(signum).name} {stop.phase}; {going_on(stop, advice)}"
+
+
+def going_on(stop: StopRequest, advice: Advice) -> str:
+    """What a run that stopped before its end keeps, and how to finish it (`stop`: what it was
+    doing; the run directory, after whatever it restored on its way out)."""
+    replacement, run_dir = stop.replacement, stop.run_dir
+    if replacement is not None and replacement.restored:
+        return f"this run had no checkpoint yet: {replacement.what} is kept, as it was"
+    checkpoints = list_checkpoints(run_dir) if run_dir is not None else []
+    if not checkpoints:
+        return "the run had no checkpoint yet: nothing to resume; start it again"
+    resume, newest = advice.resume.format(path=run_dir), checkpoints[-1].name
+    if stop.trained is not None and newest == f"step{stop.trained:06d}":
+        return (f"its training is complete and checkpointed ({newest}): {resume} evaluates and "
+                "saves it, without training")  # fmt: skip
+    return f"{resume} continues it from its newest checkpoint, {newest}"
 
 
 def _train(
-    config: RunConfig, console: Console, owner: contextlib.ExitStack, *, resume: bool,
-    overwrite: bool, task: Task | None, save_policy: Callable[[Path], None] | None,
+    config: RunConfig, console: Console, owner: contextlib.ExitStack, stop: StopRequest, *,
+    resume: bool, overwrite: bool, task: Task | None,
+    save_policy: Callable[[Path], None] | None, advice: Advice,
 ) -> Path:  # fmt: skip
     threads = trainer_threads(config)
     if threads:
@@ -159,9 +252,11 @@ def _train(
         require_vllm()
     check_devices(config)
     check_quantization(config)
+    check_optimizer(config.train.optimizer)
     checkpoint = None
     if resume:  # the directory is ours and the checkpoint fits before any task world is built
-        run_dir = owner.enter_context(own_run_dir(Path(config.output_dir)))
+        run_dir = stop.run_dir = owner.enter_context(own_run_dir(Path(config.output_dir)))
+        settle_replacement(run_dir, console.log)
         checkpoint = latest_checkpoint(run_dir, console.log)
         check_compatible(checkpoint.state["config"], config.model_dump(), checkpoint.path)
     if task is None:
@@ -171,11 +266,16 @@ def _train(
     if save_policy is None:
         policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     check_reward_weights(config.task.reward_weights, len(task.reward_fns))
+    replacement = None
     if checkpoint is not None:
-        check_unfinished(run_dir, checkpoint, config, len(task.train_rows))
-        truncate_metrics(run_dir / "metrics.jsonl", checkpoint.step)
+        ending = check_unfinished(run_dir, checkpoint, config, len(task.train_rows), console.log)
+        truncate_metrics(run_dir / "metrics.jsonl", checkpoint.step, ending=ending)
+        if ending:  # its training is complete: what a signal leaves is still only the end
+            stop.trained = checkpoint.step
     else:
-        run_dir = create_run_dir(config.output_dir, overwrite, console.log, owner=owner)
+        run_dir, replacement = create_run_dir(config.output_dir, overwrite, console.log,
+                                              owner=owner, keep=advice.keep)  # fmt: skip
+        stop.run_dir, stop.replacement = run_dir, replacement
     if save_policy is not None:
         if not (Path(config.policy.model) / "config.json").exists():
             save_policy(Path(config.policy.model))
@@ -189,6 +289,7 @@ def _train(
     events = EventLog(run_dir / "events.jsonl", console.log)
     eval_faults = EvalFaults(events)
     console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
+    console.log(limits_line(config.train, len(task.train_rows)))
     saved_searchers = checkpoint.state["searchers"] if checkpoint else None
     try:
         total_steps = step_limit(config.train, len(task.train_rows))
@@ -198,23 +299,38 @@ def _train(
             with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
                                 saved_searchers, trainer) as searchers:  # fmt: skip
                 if checkpoint is None:
+                    stop.phase = "during the evaluation of the base policy"
                     base = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
                 else:
                     base = checkpoint.state["base"]
                     events("resumed", step=checkpoint.step, checkpoint=checkpoint.path.name,
                            discarded_in_flight=searchers.discarded_in_flight)  # fmt: skip
                 console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
-                with stop_on_interrupt() as stop:
-                    loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
-                                     run_dir, events, trackers, base, eval_faults,
-                                     checkpoint)  # fmt: skip
-                    loop.run(console, stop)
+                stop.phase = "while starting to train"
+                loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
+                                 run_dir, events, trackers, base, eval_faults,
+                                 checkpoint)  # fmt: skip
+                loop.replacement = replacement
+                stop.phase, stop.after_step = "while training", True
+                loop.run(console, stop)
+                stop.phase, stop.after_step = "while stopping the searchers", False
+                if loop.at_limit(loop.train_seconds):
+                    stop.trained = trainer.step_count
+                stop.hold()  # until the searchers and their Ray instance are stopped
+            stop.release()
+            stop.phase = "during the final evaluation"
             final = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
+            stop.phase = "while saving the run"
             summary = {"base": base, "final": final, **loop.summary()}
-            with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
-                metrics.write({"step": trainer.step_count, "time": summary["train_minutes"] * 60,
-                               **final})  # fmt: skip
-            save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
+            try:
+                with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
+                    metrics.write({"step": trainer.step_count,
+                                   "time": summary["train_minutes"] * 60, **final})  # fmt: skip
+                save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
+            except (OSError, RunError) as error:  # a full disk at the end: what is kept, how
+                if isinstance(error, OSError):  # to finish it
+                    error = f"cannot write {error.filename or run_dir} ({error.strerror or error})"
+                raise RunError(f"{error}; {going_on(stop, advice)}") from None
     finally:
         events.close()
         trackers.close()
@@ -289,6 +405,8 @@ class TrainLoop:
         self.train_seconds = 0.0
         self.stopped_by_user = False
         self.stopped_by: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
+        # The run this one replaces, set aside until this one has its first checkpoint.
+        self.replacement: Replacement | None = None
         if checkpoint is not None:
             try:
                 self.load_state_dict(checkpoint.state)
@@ -312,7 +430,8 @@ class TrainLoop:
             bar = progress.add_task("train", total=self.max_steps, completed=first_step - 1,
                                     status="filling the buffer")  # fmt: skip
             self.start = time.time() - self.elapsed
-            self.warmup_seconds += self.feed.start(stop)
+            if not self.at_limit(self.elapsed):  # else resumed only to be evaluated and saved
+                self.warmup_seconds += self.feed.start(stop)
             last = self.max_steps  # None: no step limit, the clock ends the run
             steps = itertools.count(first_step) if last is None else range(first_step, last + 1)
             for step in steps:
@@ -452,7 +571,15 @@ class TrainLoop:
                                "again") from None  # fmt: skip
             return None
         self.events("checkpoint", step=step, path=str(path))
+        if self.replacement is not None:  # this run has something to lose now: the old one goes
+            self.replacement.discard()
         return path
+
+    def at_limit(self, seconds: float) -> bool:
+        """Whether the run has reached its step limit, or its time limit after `seconds` of
+        training."""
+        return seconds >= self.max_seconds or (self.max_steps is not None
+                                               and self.trainer.step_count >= self.max_steps)
 
     def state_dict(self) -> dict[str, Any]:
         """The run at this step: every component's `state_dict()` under its name, the loop's own
@@ -532,25 +659,31 @@ class TrainLoop:
 
 
 def check_unfinished(
-    run_dir: Path, checkpoint: Checkpoint, config: RunConfig, num_prompts: int
-) -> None:
-    """A run that ended at its limit, resumed with that same limit, would train nothing and be
-    evaluated again: one line saying which limit it reached and how to go further. A run that
-    stopped before it ended (interrupted, or failed after its last checkpoint) goes on."""
-    if not ((run_dir / "eval.json").is_file() and (run_dir / "final").is_dir()):
-        return
+    run_dir: Path, checkpoint: Checkpoint, config: RunConfig, num_prompts: int,
+    log: Callable[[str], None] = print,
+) -> bool:  # fmt: skip
+    """Whether a resumed run has only its end left: it reached its limit, but its final
+    evaluation and save were cut short (a kill, a full disk); `log` says it is evaluated and saved
+    without training. A run that ended at its limit, resumed with that same limit, would train
+    nothing and be evaluated again: one line saying which limit it reached and how to go further.
+    A run that stopped before its limit (interrupted, or failed after its last checkpoint) goes
+    on."""
     tc, step = config.train, checkpoint.step
     last = step_limit(tc, num_prompts)
     minutes = checkpoint.state["loop"]["elapsed"] / 60
     if last is not None and step >= last:
-        key = "train.max_steps" if tc.num_epochs is None else "train.num_epochs"
-        value = tc.max_steps if tc.num_epochs is None else tc.num_epochs
+        key = step_limit_key(tc)
+        value = tc.max_steps if key == "train.max_steps" else tc.num_epochs
         reached = f"{key}={value:g} (step {step})"
     elif tc.max_minutes is not None and minutes >= tc.max_minutes:
         key, value = "train.max_minutes", tc.max_minutes
         reached = f"{key}={value:g} ({minutes:.1f} minutes)"
     else:
-        return
+        return False
+    if not run_ended(run_dir):
+        log(f"run {run_dir} reached its limit, {reached}, but its end was not saved: evaluating "
+            "and saving it, without training")  # fmt: skip
+        return True
     raise ConfigError(f"run {run_dir} already reached its limit, {reached}: to train it further, "
                       f"resume with a higher {key}, e.g. `tba train --resume {run_dir} "
                       f"{key}={2 * value:g}`")  # fmt: skip
@@ -565,31 +698,67 @@ def whole_generation_groups(train: TrainConfig) -> bool:
 
 
 def step_limit(train: TrainConfig, num_prompts: int) -> int | None:
-    """The run's last optimizer step: `train.max_steps` (None: no step limit, the run ends by
-    time), or with `train.num_epochs` that many passes over the `num_prompts` training prompts,
-    `train.num_prompts` groups per step (a group is `group_size` of the `samples_per_prompt`
-    completions of its prompt)."""
-    if train.num_epochs is None:
+    """The run's last optimizer step, by TRL's rule: `train.max_steps` when it is given, whatever
+    `train.num_epochs` says; else, with `train.num_epochs`, that many passes over the
+    `num_prompts` training prompts, `train.num_prompts` groups per step (a group is `group_size`
+    of the `samples_per_prompt` completions of its prompt); else None (the run ends by time)."""
+    if train.max_steps is not None or train.num_epochs is None:
         return train.max_steps
     per_step = train.num_prompts * train.group_size / (train.samples_per_prompt or train.group_size)
     return max(1, math.ceil(train.num_epochs * num_prompts / per_step))
+
+
+def step_limit_key(train: TrainConfig) -> str | None:
+    """The setting `step_limit` reads: `train.max_steps`, `train.num_epochs` or None."""
+    if train.max_steps is not None:
+        return "train.max_steps"
+    return None if train.num_epochs is None else "train.num_epochs"
+
+
+def limits_line(train: TrainConfig, num_prompts: int) -> str:
+    """The run's limits as they apply, for the start of a run: e.g. `stops at step 3
+    (train.max_steps; train.num_epochs=3 ignored) or after 10 minutes, whichever comes first`."""
+    last, key = step_limit(train, num_prompts), step_limit_key(train)
+    parts = []
+    if key == "train.max_steps":
+        epochs = train.num_epochs
+        ignored = "" if epochs is None else f"; train.num_epochs={epochs:g} ignored"
+        parts.append(f"at step {last} (train.max_steps{ignored})")
+    elif key == "train.num_epochs":
+        parts.append(f"at step {last} (train.num_epochs={train.num_epochs:g} over {num_prompts} "
+                     "training prompts)")  # fmt: skip
+    if train.max_minutes is not None:
+        parts.append(f"after {train.max_minutes:g} minutes")
+    whichever = ", whichever comes first" if len(parts) > 1 else ""
+    return "stops " + " or ".join(parts) + whichever + " (or at Ctrl-C)"
 
 
 def save_results(
     run_dir: Path, summary: dict, model, tokenizer, metrics: tuple[str, ...] = ("eval_pass@1",)
 ) -> None:
     """eval.json, the trained policy in final/, and the curves plot; the smallest first, so that a
-    full disk keeps what fits, and says what did not."""
-    (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
-    final = run_dir / "final"
+    full disk keeps what fits, and says what did not (`RunError`). eval.json and final/ are each
+    written whole or not at all, under a temporary name then renamed: a kill or a full disk
+    never leaves half of one, and a run without both has not ended (`tba.run_dir.run_ended`)."""
+    path = run_dir / "eval.json"
+    try:
+        write_whole(path, json.dumps(summary, indent=2))
+    except OSError as error:
+        raise RunError(f"cannot write {path} ({error.strerror or error})") from None
+    final, partial = run_dir / "final", run_dir / f"final{PARTIAL}"
     try:
         with writing(f"the trained policy in {final}"):
-            save_policy(model, final)
-            tokenizer.save_pretrained(final)
+            shutil.rmtree(partial, ignore_errors=True)
+            save_policy(model, partial)
+            tokenizer.save_pretrained(partial)
+            if final.exists():  # the end of this run before it was resumed
+                shutil.rmtree(final)
+            partial.rename(final)
     except OSError as error:
-        kept = list_checkpoints(run_dir)
-        newest = f"; the newest checkpoint is {kept[-1]}" if kept else ""
-        raise RunError(f"cannot write {error}: eval.json is written{newest}") from None
+        shutil.rmtree(partial, ignore_errors=True)
+        reason = error.strerror or str(error).removeprefix(f"the trained policy in {final}: ")
+        raise RunError(f"cannot write the trained policy in {final} ({reason}); eval.json is "
+                       "written") from None  # fmt: skip
     with contextlib.suppress(OSError):  # a plot of what metrics.jsonl holds: not worth failing
         plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png",
                     "tba train", metrics)  # fmt: skip

@@ -30,9 +30,10 @@ from tba.config import RunConfig, load_config
 from tba.core import Task
 from tba.errors import ConfigError
 from tba.evaluation import EvalFaults, EvalSettings, evaluate
+from tba.locks import FileLock, describe_holder
 from tba.policy.model import check_device, load_policy, resolve_device, set_weights
 from tba.policy.tokenizer import load_tokenizer
-from tba.run_dir import read_metrics, samples_consumed
+from tba.run_dir import LOCK_FILE, final_saved, read_metrics, samples_consumed
 from tba.tasks import load_task, resolve_policy
 
 FINAL_SCORES = "eval_final.json"
@@ -47,7 +48,7 @@ def score_final(
     config = run_config(run_dir, overrides)
     final = run_dir / "final"
     records = read_metrics(run_dir / "metrics.jsonl")
-    if not (final / "config.json").is_file():
+    if not final_saved(final):
         raise FileNotFoundError(f"{run_dir}: no final policy (final/ not found: the run has not "
                                 f"ended); {_without_final(run_dir, records)}")  # fmt: skip
     task = task or run_task(run_dir, config, log)
@@ -100,7 +101,16 @@ def checked_evaluate(
 
 
 def _without_final(run_dir: Path, records: list[dict]) -> str:
-    """What can be done with a run that has no final policy: what it has."""
+    """What can be done with a run that has no final policy: what it has; for a run that a
+    process is training now, wait for it (or score the snapshots it saved so far)."""
+    holder = FileLock(run_dir / LOCK_FILE, directory=True).holder()
+    if holder is not None:
+        snapshots = any("snapshot" in record for record in records)
+        later = (f", or score the snapshots it has saved with `tba eval --snapshots {run_dir}`"
+                 if snapshots else " (a run with eval.snapshot_minutes=N saves snapshots that "
+                 "`tba eval --snapshots` scores while it runs)")  # fmt: skip
+        return (f"the run is in progress, held by {describe_holder(holder)}: evaluate it when "
+                f"it ends{later}")  # fmt: skip
     ways = []
     if list_checkpoints(run_dir):
         ways.append(f"finish it with `tba train --resume {run_dir}`")

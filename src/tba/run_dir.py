@@ -28,14 +28,19 @@
                            snapshot scored after the run (see tba.offline_eval)
 <run_dir>/.lock            while a process runs in the directory: its pid, host, start time and
                            command (`own_run_dir`)
+<run_dir>/.replaced/       while a run replaces the one in the directory (`--overwrite`,
+                           `TBATrainer.train()`): the old run, until the new one has its first
+                           checkpoint (`set_aside`)
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -54,6 +59,11 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "eval.json", "curve
              "attacks.jsonl", "completions.jsonl", "eval_final.json", "eval_snapshots.json",
              "checkpoints", "searchers", "snapshots", "final", "tensorboard", "wandb",
              "base_model")  # fmt: skip
+# Where a run being replaced waits while the run replacing it starts (`set_aside`): put back if
+# that one stops before its first checkpoint, deleted once it has one. `.replacing` holds what
+# belongs back in the run directory (a move aside or back that a kill cut short), `.replaced-old`
+# what is being deleted.
+REPLACED, MOVING, DELETING = ".replaced", ".replacing", ".replaced-old"
 
 
 class RunExistsError(FileExistsError):
@@ -88,13 +98,119 @@ def holds_run(path: Path) -> bool:
     return resumable or (path / "eval.json").exists() or (path / "final").is_dir()
 
 
+def final_saved(path: Path) -> bool:
+    """Whether `path` (a run's final/) holds a whole saved policy: a config and its weights (a
+    save cut short by a kill, in runs written before final/ was saved under a temporary name,
+    may have left only part of it)."""
+    weights = [*path.glob("model*.safetensors"), *path.glob("pytorch_model*.bin")]
+    return (path / "config.json").is_file() and bool(weights)
+
+
+def run_ended(path: Path) -> bool:
+    """Whether the run in `path` ended: its summary (eval.json) and final policy are saved."""
+    return (path / "eval.json").is_file() and final_saved(path / "final")
+
+
+def describe_run(path: Path) -> str:
+    """The run in `path` in a few words: 'the finished run in RUN (final/, 3 checkpoints)'."""
+    steps = sorted(p.parent.name for p in (path / "checkpoints").glob("step*/state.json"))
+    kept = ["final/"] if final_saved(path / "final") else []
+    if steps:
+        kept.append(f"{len(steps)} checkpoint{'s' if len(steps) > 1 else ''}, the newest "
+                    f"{steps[-1]}")  # fmt: skip
+    state = "finished" if run_ended(path) else "unfinished"
+    return f"the {state} run in {path} ({', '.join(kept) or 'eval.json'})"
+
+
+class Replacement:
+    """A run set aside in `RUN_DIR/.replaced/` (`set_aside`) while a new run starts in its
+    directory: `restore` puts it back (the new run stopped before its first checkpoint, having
+    nothing to lose), `discard` deletes it (the new run has a checkpoint). Used as a context
+    manager around the new run, it restores on the way out unless the new run has a checkpoint
+    by then; a kill in between is settled by the next start (`settle_replacement`)."""
+
+    def __init__(self, path: Path, what: str, log: Callable[[str], None]) -> None:
+        self.path, self.what, self.log = path, what, log
+        self.settled = False
+        self.restored = False
+
+    def discard(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        _delete_set_aside(self.path)
+
+    def restore(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        remove_run(self.path)  # the new run's files, none of which the old run had
+        (self.path / REPLACED).rename(self.path / MOVING)
+        _move_back(self.path)
+        self.restored = True
+        self.log(f"kept {self.what}: the run meant to replace it stopped before its first "
+                 "checkpoint")  # fmt: skip
+
+    def __enter__(self) -> Replacement:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if holds_run(self.path):  # the new run has a checkpoint (or ended): it replaces the old
+            self.discard()
+        else:
+            self.restore()
+
+
+def set_aside(path: Path, what: str, log: Callable[[str], None]) -> Replacement:
+    """Move the run in `path` (its `RUN_FILES`) into `path/.replaced/`, whole or not at all."""
+    moving = path / MOVING
+    moving.mkdir()
+    try:
+        for name in RUN_FILES:
+            if (path / name).exists():
+                (path / name).rename(moving / name)
+        moving.rename(path / REPLACED)
+    except BaseException:  # a signal, a failed rename: the run stays as it was
+        _move_back(path)
+        raise
+    return Replacement(path, what, log)
+
+
+def settle_replacement(path: Path, log: Callable[[str], None]) -> None:
+    """What a process killed while replacing the run in `path` left: a run it had set aside comes
+    back unless the new run got as far as a checkpoint; a move it cut short is undone."""
+    if (path / DELETING).exists():
+        shutil.rmtree(path / DELETING)
+    if (path / MOVING).exists():
+        _move_back(path)
+    if (path / REPLACED).exists():
+        replacement = Replacement(path, f"the run in {path} that a killed start had set aside", log)
+        replacement.__exit__(None, None, None)
+
+
+def _move_back(path: Path) -> None:
+    moving = path / MOVING
+    for entry in moving.iterdir():
+        if not (path / entry.name).exists():
+            entry.rename(path / entry.name)
+    shutil.rmtree(moving)
+
+
+def _delete_set_aside(path: Path) -> None:
+    """Never a reason for the new run to fail: what is left is deleted by the next start in the
+    directory (`settle_replacement`)."""
+    with contextlib.suppress(OSError):
+        (path / REPLACED).rename(path / DELETING)
+    shutil.rmtree(path / DELETING, ignore_errors=True)
+
+
 @contextmanager
 def own_run_dir(path: Path) -> Iterator[Path]:
     """This process's exclusive hold on the existing run directory `path`, taken before anything
     in it is read or changed and let go at exit (`tba.locks`: a process that died lets go too).
     A directory another process runs in is `RunBusyError`; one that cannot be written,
     `ConfigError`."""
-    lock = FileLock(path / LOCK_FILE)
+    lock = FileLock(path / LOCK_FILE, directory=True)  # a deleted .lock still holds
     try:
         lock.acquire()
     except Locked as error:
@@ -109,24 +225,30 @@ def own_run_dir(path: Path) -> Iterator[Path]:
 
 def create_run_dir(
     output_dir: str | None, overwrite: bool = False, log: Callable[[str], None] = print,
-    *, owner: ExitStack,
-) -> Path:  # fmt: skip
+    *, owner: ExitStack, keep: str = "without --overwrite it is kept",
+) -> tuple[Path, Replacement | None]:  # fmt: skip
     """A new run directory, owned (`own_run_dir`) until `owner` closes. One that holds a run
-    (`holds_run`) is refused unless `overwrite`; the files of a run that stopped before its first
-    checkpoint (a failed start) are replaced."""
+    (`holds_run`) is refused unless `overwrite`; with it, that run is said (`keep`: how the caller
+    keeps it instead) and set aside (`set_aside`) until the new run has its first checkpoint,
+    restored if it stops before (the `Replacement`, also settled when `owner` closes). The files of
+    a run that stopped before its first checkpoint (a failed start) are replaced."""
     path = Path(output_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise unusable_output_dir(path, error) from None
     owner.enter_context(own_run_dir(path))
+    settle_replacement(path, log)
     if holds_run(path) and not overwrite:
         raise RunExistsError(path)
+    if holds_run(path):
+        what = describe_run(path)
+        log(f"replacing {what} once this run has its first checkpoint; {keep}")
+        return path, owner.enter_context(set_aside(path, what, log))
     if (path / "config.yaml").exists() or (path / "metrics.jsonl").exists():
-        if not holds_run(path):
-            log(f"replacing the run in {path}: it stopped before its first checkpoint")
+        log(f"replacing the run in {path}: it stopped before its first checkpoint")
         remove_run(path)
-    return path
+    return path, None
 
 
 def unusable_output_dir(path: Path, error: OSError) -> ConfigError:
@@ -150,23 +272,69 @@ def unusable_output_dir(path: Path, error: OSError) -> ConfigError:
 
 
 def remove_run(path: Path) -> None:
-    """The files a run wrote into `path` (`RUN_FILES`), and nothing else."""
+    """The files a run wrote into `path` (`RUN_FILES`, and their temporary `.partial` copies),
+    and nothing else."""
     for name in RUN_FILES:
-        target = path / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
+        for target in (path / name, path / f"{name}{PARTIAL}"):
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop the records of steps after `last_step`: a resumed run redoes them."""
+# The temporary name of a file or directory written whole or not at all (`write_whole`).
+PARTIAL = ".partial"
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` as the file `path`, whole or not at all: written under a temporary name, then
+    renamed (a full disk or a kill leaves the file as it was). A failed write is the `OSError`."""
+    partial = path.with_name(path.name + PARTIAL)
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
+
+
+def check_writable(path: Path, what: str, advice: str) -> None:
+    """Before the work whose result goes to the file `path`: that it can be written there (its
+    directory made if need be, a file created in it), else one line (`ConfigError`) naming
+    `what`, why, and `advice`."""
+    if path.is_dir():
+        raise ConfigError(f"cannot write {what} {path}: it is a directory; {advice}")
+    blocking = next((parent for parent in path.parents if parent.is_file()), None)
+    if blocking is not None:
+        raise ConfigError(f"cannot write {what} {path}: {blocking} is a file, not a directory; "
+                          f"{advice}")  # fmt: skip
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ConfigError(f"cannot write {what} {path} ({reason}); {advice}") from None
+
+
+def truncate_metrics(path: Path, last_step: int, *, ending: bool = False) -> None:
+    """Drop the records of steps after `last_step`: a resumed run redoes them; `ending`: also the
+    final evaluation's record at `last_step`, which a run resumed to be evaluated and saved
+    writes again."""
     if not path.exists():
         return
-    kept = [record for record in read_metrics(path) if record["step"] <= last_step]
+    kept = [record for record in read_metrics(path) if record["step"] < last_step or (
+        record["step"] == last_step and not (ending and _final_record(record)))]  # fmt: skip
     partial = path.with_name(path.name + ".partial")
     partial.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(partial, path)
+
+
+def _final_record(record: dict) -> bool:
+    """The final evaluation's record: held-out metrics at the last step, neither a step's own
+    record (with its loss) nor a snapshot's."""
+    return record["step"] > 0 and "loss" not in record and "snapshot" not in record
 
 
 class MetricsLog:

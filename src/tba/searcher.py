@@ -3,8 +3,10 @@
 One `generate` call takes the next prompts of the searcher's own shuffled stream, samples S
 responses per prompt, scores them with the task's reward functions, computes the reference
 log-prob of each response (stored with the sample, so the trainer never runs the reference), and
-returns `Sample`s tagged with the weight version that produced them. For `vineppo` it also
-estimates the value of every step prefix of its responses from rollouts of its own (`tba.vine`).
+returns `Sample`s tagged with the weight version that produced them. What else a sample carries is
+what the objective's `Needs` ask for: each token's reference log-prob (`token_ref_logp`), and the
+value of every step prefix of its response, estimated from rollouts of its own (`step_values`,
+`tba.vine`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tba.config import RunConfig
+from tba.config import RunConfig, VinePPOSettings
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
-from tba.objectives import TOKEN_KL_OBJECTIVES
+from tba.objectives import OBJECTIVES
 from tba.policy.engines import BuiltinEngine, Engine, VllmEngine, VllmSettings
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
 from tba.policy.sampling import Generation
 from tba.policy.tokenizer import encode_prompts
 from tba.rewards.scorer import RewardScorer, Scores, TrainerState
-from tba.vine import ValueEstimator, VineSettings
+from tba.vine import ValueEstimator
 
 
 @dataclass
@@ -51,12 +53,13 @@ class SearchSettings:
     # Exploration: the searcher samples at this temperature instead (None: `temperature`). The
     # samples' behaviour log-probs are the sampler's, at this temperature.
     sample_temperature: float | None = None
-    token_ref_logps: bool = False  # keep each response token's reference log-prob (ppo, vineppo)
-    vine: VineSettings | None = None  # vineppo: Monte Carlo values of step prefixes
+    token_ref_logps: bool = False  # keep each response token's reference log-prob
+    vine: VinePPOSettings | None = None  # Monte Carlo values of step prefixes (VinePPO's)
 
     @classmethod
     def from_config(cls, config: RunConfig) -> SearchSettings:
         tc = config.train
+        needs = OBJECTIVES[tc.loss].needs
         return cls(
             samples_per_prompt=tc.samples_per_prompt or tc.group_size,
             temperature=config.policy.temperature,
@@ -75,9 +78,8 @@ class SearchSettings:
             reward_weights=config.task.reward_weights,
             max_prompt_length=config.policy.max_prompt_length,
             max_steps=tc.max_steps or 0,  # 0: no step limit, as in TRL's TrainerState
-            token_ref_logps=tc.loss in TOKEN_KL_OBJECTIVES,
-            vine=VineSettings(tc.vineppo_rollouts, tc.vineppo_max_states, tc.vineppo_delimiter)
-            if tc.loss == "vineppo" else None,
+            token_ref_logps=needs.token_ref_logp,
+            vine=tc.vineppo if needs.step_values else None,
         )
 
 
@@ -193,6 +195,12 @@ class Searcher:
             set_weights(self.policy, weights)
         elif not self.shares_trainer_model:
             raise ValueError("a searcher with its own model needs the published weights")
+        self.engine.load_weights(self.policy)
+        self.version, self.step = version, step
+
+    def weights_copied(self, version: int, step: int) -> None:
+        """The searcher's own model now holds the weights of `version`, published at optimizer
+        step `step`, copied into it in place (`tba.runtime.weight_buckets`): adopt them."""
         self.engine.load_weights(self.policy)
         self.version, self.step = version, step
 

@@ -2,16 +2,17 @@
 
 The reference log-probs come with the samples; the trainer only runs the policy. Groups are kept
 whole inside a micro-batch, because each group's log Z_hat (or baseline) is estimated from all its
-members. `loss` names the objective in `tba.objectives.OBJECTIVES`: `tb` (VarGrad Trajectory
-Balance in reward units, with the trust region `trust_region`: a clipped importance ratio to the
-behaviour policy per `sequence` or per `token`, or `none`, the paper's plain TB) or one of the
-baselines of `tba.objectives.baselines`, which share everything else. `baseline_kl` picks the
-log-probs in
-the baselines' KL-shaped reward: the `current` policy's (then RLOO's gradient is TB's) or the
-`behaviour` policy's, fixed when the sample was drawn (as in TRL's RLOO). `ppo` learns a critic
-(`tba.policy.values.Critic`: a value head on the policy's last hidden state, or a separate
-critic LM) with the policy; `vineppo` reads the Monte Carlo values of step prefixes that the
-searchers estimated (`tba.vine`). Both take per-token reference log-probs from the samples.
+members. The trainer takes the config's `train` section (`TrainConfig`) whole: `train.loss` names
+the objective in `tba.objectives.OBJECTIVES`, and the objective reads its own settings from the
+same section (`LossInputs.settings`). The trainer never tests the objective's name: it provides
+what the objective's `Needs` ask for. A `critic` (PPO) is learned with the policy
+(`tba.policy.values.Critic`: a value head on the policy's last hidden state, or a separate critic
+LM, as `train.ppo` sets); `learned_log_z` (TB) with `train.tb.log_z=learned` learns log Z(x) with
+the policy (`LearnedLogZ`); `token_ref_logp` (PPO, VinePPO) passes the samples' per-token
+reference log-probs; `group_statistics` lets context samples join their groups. `baseline_kl`
+picks the log-probs in the baselines' KL-shaped reward: the `current` policy's (then RLOO's
+gradient is TB's) or the `behaviour` policy's, fixed when the sample was drawn (as in TRL's
+RLOO).
 
 A group can be part of what its generation made (S > K): with `train.group_baseline=generation`
 the others (`Batch.context`) join it in the loss with detached log-probs, so that its log Z or
@@ -25,10 +26,12 @@ clipping (`grad_norm`) and the factor the clip applied (`clip_factor`, 1 when it
 and how far the batch is from the policy that generated it: `ratio_out_frac`, the share of
 sequences whose ratio pi / pi_behaviour left [0.8, 1.2].
 
-The optimizer (AdamW, with `weight_decay` on the matrices only) updates only trainable weights
-(with LoRA: the adapters), and bf16 weights through fp32 master copies (`tba.policy.precision`);
-the loss is computed in fp32. The learning rate warms up over `warmup_steps`, then stays or
-decays to 0 at the run's last step (`lr_schedule`, `tba.objectives.schedules.lr_factor`).
+The optimizer (AdamW, with `weight_decay` on the matrices only; torch's, or bitsandbytes' with
+8-bit moments: `train.optimizer`, `tba.policy.optimizers`) updates only trainable weights (with
+LoRA: the adapters), and bf16 weights through fp32 master copies, or in place with Kahan
+compensation (`train.master_weights`, `tba.policy.precision`); the loss is computed in fp32.
+The learning rate warms up over `warmup_steps`, then stays or decays to 0 at the run's last step
+(`lr_schedule`, `tba.objectives.schedules.lr_factor`).
 """
 
 from __future__ import annotations
@@ -37,31 +40,21 @@ import bisect
 import math
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from tba.config import RunConfig
+from tba.config import RunConfig, TrainConfig
 from tba.core import Sample
-from tba.objectives import (
-    BASELINE_KLS,
-    OBJECTIVES,
-    ROW_MEAN_GROUP_OBJECTIVES,
-    TOKEN_KL_OBJECTIVES,
-    TRUST_REGIONS,
-    LossInputs,
-)
-from tba.objectives.ppo import step_index, vine_advantages
-from tba.objectives.schedules import lr_factor, warmup_steps_for
+from tba.objectives import OBJECTIVES, LossInputs
+from tba.objectives.schedules import LRSchedule, warmup_steps_for
 from tba.policy.logprobs import token_logprobs_and_states
 from tba.policy.model import checkpoint_state, get_weights, load_checkpoint_state
-from tba.policy.precision import MasterWeights
+from tba.policy.optimizers import build_optimizer, flat_param_state, load_optimizer_state
+from tba.policy.precision import trainable_weights
 from tba.policy.values import Critic
-
-VALUE_MODELS = ("head", "critic")  # ppo: a value head on the policy, or a separate critic LM
 
 RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 1.2]
 
@@ -107,20 +100,10 @@ class LearnedLogZ(torch.nn.Module):
 
 
 def trainer_settings(config: RunConfig, pad_id: int, total_steps: int | None) -> dict[str, Any]:
-    """`Trainer`'s keyword arguments (all but the model) as `config` sets them, for a run of
+    """`Trainer`'s arguments (all but the model) as `config` sets them, for a run of
     `total_steps` optimizer steps (None: no step limit)."""
-    tc = config.train
-    return {
-        "pad_id": pad_id, "temperature": config.policy.temperature,
-        "learning_rate": tc.learning_rate, "lr_schedule": tc.lr_schedule,
-        "warmup_steps": warmup_steps_for(total_steps, tc.warmup_steps, tc.warmup_ratio),
-        "total_steps": total_steps, "weight_decay": tc.weight_decay,
-        "max_grad_norm": tc.max_grad_norm, "loss": tc.loss, "clip_eps": tc.clip_eps,
-        "trust_region": tc.trust_region, "log_z": tc.log_z, "log_z_lr": tc.log_z_lr,
-        "baseline_kl": tc.baseline_kl, "micro_batch_groups": tc.micro_batch_groups,
-        "value_model": tc.value_model, "value_lr": tc.value_lr, "gae_lambda": tc.gae_lambda,
-        "value_clip": tc.value_clip, "value_coef": tc.value_coef,
-    }  # fmt: skip
+    return {"settings": config.train, "pad_id": pad_id,
+            "temperature": config.policy.temperature, "total_steps": total_steps}  # fmt: skip
 
 
 def decay_groups(params: list[torch.nn.Parameter], learning_rate: float,
@@ -189,70 +172,54 @@ class Trainer(WeightVersions):
     def __init__(
         self,
         model: PreTrainedModel,
+        settings: TrainConfig,
         *,
         pad_id: int,
         temperature: float,
-        learning_rate: float,
-        max_grad_norm: float,
-        warmup_steps: int = 0,
-        lr_schedule: str = "constant",
         total_steps: int | None = None,
-        weight_decay: float = 0.0,
-        micro_batch_groups: int | None = None,
-        loss: str = "tb",
-        clip_eps: float = 0.2,
-        trust_region: str = "sequence",
-        log_z: str = "vargrad",
-        log_z_lr: float = 1e-2,
-        baseline_kl: str = "current",
-        value_model: str = "head",
-        value_lr: float = 1e-3,
-        gae_lambda: float = 0.95,
-        value_clip: float = 0.2,
-        value_coef: float = 0.1,
     ) -> None:
-        for name, value, allowed in (("loss", loss, OBJECTIVES), ("trust_region", trust_region,
-                                     TRUST_REGIONS), ("baseline_kl", baseline_kl, BASELINE_KLS),
-                                     ("value_model", value_model, VALUE_MODELS)):
-            if value not in allowed:
-                raise ValueError(f"unknown {name} {value!r}; available: {', '.join(allowed)}")
-        self.loss = loss
-        self.objective = OBJECTIVES[loss]
-        self.clip_eps = clip_eps
-        self.trust_region = trust_region
-        self.baseline_kl = baseline_kl
-        self.gae_lambda, self.value_clip, self.value_coef = gae_lambda, value_clip, value_coef
+        """`settings`: the config's `train` section, whose objective (`loss`) the trainer steps
+        and which that objective reads its settings from; `temperature`: the policy's, at which
+        log-probs are taken; `total_steps`: the run's step limit (None: none), for the learning
+        rate's schedule and a warmup given as a ratio of it."""
+        self.settings = settings
+        self.loss = settings.loss
+        self.objective = OBJECTIVES[settings.loss]
+        needs = self.objective.needs
         self.model = model.train()
         self.pad_id = pad_id
         self.temperature = temperature
-        self.max_grad_norm = max_grad_norm
-        self.micro_batch_groups = micro_batch_groups
+        self.max_grad_norm = settings.max_grad_norm
+        self.micro_batch_groups = settings.micro_batch_groups
         self.gradient_scale = 1.0  # ranks whose gradients are averaged scale theirs up by N
-        # Only the trainable weights (with LoRA: the adapters); bf16 ones through fp32 masters.
-        self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad])
-        groups = decay_groups(self.masters.params, learning_rate, weight_decay)
+        # Only the trainable weights (with LoRA: the adapters); bf16 ones through fp32 masters, or
+        # (train.master_weights=none) themselves, with Kahan compensation.
+        self.masters = trainable_weights([p for p in model.parameters() if p.requires_grad],
+                                         settings.master_weights)  # fmt: skip
+        groups = decay_groups(self.masters.params, settings.learning_rate, settings.weight_decay)
         # TB's log Z: VarGrad's per-group estimate, or learned with the policy at its own rate.
-        learned = log_z == "learned" and loss == "tb"
+        learned = needs.learned_log_z and settings.tb.log_z == "learned"
         self.log_z_head = self.log_z_class(model) if learned else None
         if self.log_z_head is not None:
-            groups.append({"params": list(self.log_z_head.parameters()), "lr": log_z_lr})
+            groups.append({"params": list(self.log_z_head.parameters()),
+                           "lr": settings.tb.log_z_lr})  # fmt: skip
         # PPO's critic: its head at its own rate, a separate critic LM at the policy's.
         self.critic = None
-        if loss == "ppo":
-            self.critic = Critic(model, separate=value_model == "critic", head_lr=value_lr,
-                                 trunk_lr=learning_rate)  # fmt: skip
+        if needs.critic:
+            self.critic = Critic(model, separate=settings.ppo.value_model == "critic",
+                                 head_lr=settings.ppo.value_lr,
+                                 trunk_lr=settings.learning_rate)  # fmt: skip
             groups += self.critic.groups
         # Adam (AdamW: weight decay decoupled from the gradient's moments, and only where a
-        # group asks for it).
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+        # group asks for it): torch's, or bitsandbytes' with 8-bit moments (train.optimizer).
+        self.optimizer = build_optimizer(settings.optimizer, groups,
+                                         next(model.parameters()).device)  # fmt: skip
         # Adam's first updates move every weight by about the full learning rate whatever the
         # gradient's signal-to-noise; a linear warmup makes those first moves smaller. Then the
         # rate stays, or decays to 0 at the last step.
-        lr_factor(0, lr_schedule, warmup_steps, total_steps)  # an unknown schedule fails here
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, partial(lr_factor, schedule=lr_schedule, warmup_steps=warmup_steps,
-                                    total_steps=total_steps),
-        )  # fmt: skip
+        warmup_steps = warmup_steps_for(total_steps, settings.warmup_steps, settings.warmup_ratio)
+        # An unknown schedule fails here; a resume with another step limit extends it smoothly.
+        self.schedule = LRSchedule(self.optimizer, settings.lr_schedule, warmup_steps, total_steps)
         super().__init__()
 
     def weights(self) -> dict[str, np.ndarray]:
@@ -312,8 +279,7 @@ class Trainer(WeightVersions):
             math.isfinite(value) for value in critic.values())  # fmt: skip
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the policy's, by its schedule
         if finite:
-            self.optimizer.step()
-            self.masters.masters_to_model()
+            self.masters.step(self.optimizer)  # and the model's weights from what it updated
             if self.critic is not None:
                 self.critic.masters_to_model()
             self.schedule.step()
@@ -352,13 +318,11 @@ class Trainer(WeightVersions):
         optimizer = self.optimizer.state_dict()
         tensors, scalars = {}, {}
         for index, values in optimizer["state"].items():
-            for name, value in values.items():
+            for name, value in flat_param_state(values).items():
                 target = tensors if torch.is_tensor(value) else scalars
                 target[f"{index}.{name}"] = value
-        masters = zip(self.masters.params, self.masters.model_params)
-        for index, (master, param) in enumerate(masters):
-            if master is not param:  # fp32 masters of bf16 weights: rounding would lose them
-                tensors[f"master.{index}"] = master.detach()
+        # fp32 masters of bf16 weights (rounding would lose them), or their compensation.
+        tensors.update(self.masters.state_tensors())
         state = {
             "model": dict(checkpoint_state(self.model)),
             "optimizer": tensors,
@@ -380,11 +344,12 @@ class Trainer(WeightVersions):
         load_checkpoint_state(self.model, state["model"])
         optimizer: dict[int, dict] = {}
         head: dict[str, torch.Tensor] = {}
+        weights: dict[str, torch.Tensor] = {}  # fp32 masters, or the compensation of bf16 weights
         critic: dict[str, torch.Tensor] = {}
         for key, value in [*state["optimizer"].items(), *state["optimizer_scalars"].items()]:
             index, name = key.split(".", 1)
-            if index == "master":
-                self.masters.params[int(name)].data.copy_(value)
+            if index in ("master", "kahan"):
+                weights[key] = value
             elif index == "log_z":
                 head[name] = value
             elif index == "value":
@@ -396,7 +361,8 @@ class Trainer(WeightVersions):
             self.log_z_head.ready = state["log_z_ready"]
         if self.critic is not None:
             self.critic.load_state_tensors(critic)
-        self.optimizer.load_state_dict({"state": optimizer, "param_groups": state["param_groups"]})
+        self.masters.load_state_tensors(weights)
+        load_optimizer_state(self.optimizer, optimizer, state["param_groups"])
         self.schedule.load_state_dict(state["schedule"])
         self.load_versions_state(state)
 
@@ -405,7 +371,8 @@ class Trainer(WeightVersions):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective on one micro-batch, and its metrics (means over its samples; the
         objective's own over the groups' members, `context` included)."""
-        if context and self.loss not in ROW_MEAN_GROUP_OBJECTIVES:
+        needs = self.objective.needs
+        if context and not needs.group_statistics:
             raise ValueError(f"{self.loss} has no group statistics for context samples to enter")
         context = distinct_context(context, trained)
         flat = trained + context
@@ -431,24 +398,21 @@ class Trainer(WeightVersions):
         if self.log_z_head is not None:
             log_z = self.log_z_head(flat, logp.detach(), ref_logp, rewards, beta)
         width = token_logp.shape[1]
-        values = ref_tokens = step_advantages = None
-        if self.loss in TOKEN_KL_OBJECTIVES:
+        values = ref_tokens = old_values = None
+        if needs.token_ref_logp:
             ref_tokens = _padded([s.ref_token_logps for s in flat], width, device)
         if self.critic is not None:
             values = self.critic.values([s.prompt_ids for s in flat],
                                         [s.response_ids for s in flat], pad_id=self.pad_id,
                                         policy_states=states)  # fmt: skip
-        if self.loss == "vineppo":
-            step_advantages = _step_advantages(flat, mask, rewards)
+            store_old_values(trained, values)
+            old_values = _padded([s.old_values for s in flat], width, device)
         loss, stats = self.objective(
             LossInputs(
                 token_logp, mask, _padded([s.behaviour_token_logps for s in flat], width, device),
-                rewards, ref_logp, group_ids, beta=beta, clip_eps=self.clip_eps,
-                trust_region=self.trust_region, log_z=log_z,
-                kl_logp=behaviour_logp if self.baseline_kl == "behaviour" else None,
-                ref_token_logp=ref_tokens, values=values, gae_lambda=self.gae_lambda,
-                value_clip=self.value_clip, value_coef=self.value_coef,
-                step_advantages=step_advantages,
+                rewards, ref_logp, group_ids, beta=beta, settings=self.settings, samples=flat,
+                kl_logp=behaviour_logp if self.settings.baseline_kl == "behaviour" else None,
+                log_z=log_z, ref_token_logp=ref_tokens, values=values, old_values=old_values,
             )
         )  # fmt: skip
         stats = {**{key: float(value) for key, value in stats.items()}, **drift}
@@ -474,6 +438,17 @@ def micro_batch_split(groups: list[list[Sample]], chunk: int) -> list[list[Sampl
     """Consecutive runs of `chunk` groups, each flattened into one micro-batch."""
     return [[s for group in groups[first : first + chunk] for s in group]
             for first in range(0, len(groups), chunk)]  # fmt: skip
+
+
+def store_old_values(samples: list[Sample], values: torch.Tensor) -> None:
+    """PPO's V_old: the critic's values of each sample at its first use in training (its row of
+    `values`, detached, to its response's length), kept with the sample (`Sample.old_values`,
+    in the buffer and its checkpoints) for every later use; a sample that has them keeps them.
+    `values`' first rows are `samples`'."""
+    rows = values.detach().float().cpu()
+    for index, s in enumerate(samples):
+        if s.old_values is None:
+            s.old_values = rows[index, : len(s.response_ids)].tolist()
 
 
 def distinct_context(context: list[Sample], trained: list[Sample]) -> list[Sample]:
@@ -505,17 +480,3 @@ def _padded(rows: list[list[float] | None], width: int, device) -> torch.Tensor 
     for index, row in enumerate(rows):
         padded[index, : len(row)] = torch.tensor(row)
     return padded.to(device)
-
-
-def _step_advantages(flat: list[Sample], mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-    """VinePPO's advantage of each response token (N, T), from the samples' step values."""
-    if any(s.step_values is None for s in flat):
-        raise ValueError("vineppo needs every sample's Monte Carlo step values")
-    device = mask.device
-    ends = [s.step_ends for s in flat]
-    longest = max(len(e) for e in ends)
-    values = torch.tensor([s.step_values + [0.0] * (longest - len(s.step_values)) for s in flat],
-                          device=device)  # fmt: skip
-    steps = step_index(ends, mask.shape[1], device)
-    counts = torch.tensor([len(e) for e in ends], device=device)
-    return vine_advantages(values, steps, counts, rewards, mask)[0]

@@ -12,6 +12,10 @@ with the task's reward on the whole response (prefix and continuation). Their me
 At most `max_states` states per response: when a response has more steps, only evenly spaced
 step ends are kept (neighbouring steps merge). A state whose rollouts all failed to score has no
 value, and the responses that need it are dropped, as a response without a reward is.
+
+The searchers make these values where the objective's `Needs.step_values` asks for them (VinePPO,
+whose loss, `tba.objectives.vineppo`, reads them); the settings are the config's own section,
+`train.vineppo` (`VinePPOSettings`).
 """
 
 from __future__ import annotations
@@ -24,17 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from tba.config import VinePPOSettings
 from tba.policy.engines import Engine
 
 # score(row ids, whole responses' token ids, truncated flags) -> rewards (NaN: no reward)
 Score = Callable[[list[int], list[list[int]], list[bool]], list[float]]
-
-
-@dataclass(frozen=True)
-class VineSettings:
-    rollouts: int = 9  # continuations per state
-    max_states: int = 25  # per response, s_0 included
-    delimiter: str = "\n"  # a step ends with the token that holds it
 
 
 @dataclass
@@ -85,7 +83,7 @@ class ValueEstimator:
         self,
         engine: Engine,
         tokenizer: PreTrainedTokenizerBase,
-        settings: VineSettings,
+        settings: VinePPOSettings,
         *,
         max_new_tokens: int,
         temperature: float,

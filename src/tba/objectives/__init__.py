@@ -15,13 +15,23 @@ group-standardised advantage), :func:`rloo_loss` (REINFORCE with a leave-one-out
 :func:`proximal_rloo_loss` (RLOO with a clipped sequence-level importance ratio, for off-policy
 data) and :func:`online_dpo_loss` (DPO on the best-vs-worst response of each group).
 
-Value-based baselines (:mod:`tba.objectives.ppo`), with a per-token KL penalty in the same units:
-:func:`ppo_loss` (GAE on a learned critic's values, whitened advantages, clipped ratio and
-clipped value loss) and :func:`vineppo_loss` (the clipped ratio on step advantages from Monte
-Carlo values of step prefixes, :func:`vine_advantages`).
+Value-based baselines, with a per-token KL penalty in the same units: :func:`ppo_loss`
+(:mod:`tba.objectives.ppo`: GAE on a learned critic's values, :class:`ValueHead`, whitened
+advantages, clipped ratio and clipped value loss) and :func:`vineppo_loss`
+(:mod:`tba.objectives.vineppo`: the clipped ratio on step advantages from Monte Carlo values of
+step prefixes, :func:`vine_advantages`).
 
-``OBJECTIVES`` (:mod:`tba.objectives.registry`) names every one of them behind one signature,
-``OBJECTIVES[name](LossInputs(...)) -> (loss, stats)``: what ``train.loss`` chooses from.
+``OBJECTIVES`` (:mod:`tba.objectives.registry`) names every one of them: an :class:`Objective`,
+its loss behind one signature, ``OBJECTIVES[name](LossInputs(...)) -> (loss, stats)``, and its
+:class:`Needs` (a critic, per-token reference log-probs, Monte Carlo step values, ...), which the
+trainer and the searchers read instead of the name. It is what ``train.loss`` chooses from.
+
+Adding an objective is one module and one entry: a module here with its loss (a pure function,
+its formula and paper in the docstring, a float64 reference test) and an
+``Objective(loss, Needs(...))`` under its name in ``OBJECTIVES`` (the registry's docstring says
+how the loss reads its inputs and settings). Nothing else changes: ``lint-imports`` checks the
+new module's imports once its name joins the middle layer of the ``tba.objectives`` contract in
+``pyproject.toml``.
 """
 
 from tba.objectives.baselines import (
@@ -32,28 +42,30 @@ from tba.objectives.baselines import (
     rloo_loss,
 )
 from tba.objectives.common import group_mean
-from tba.objectives.ppo import gae, ppo_loss, vine_advantages, vineppo_loss
+from tba.objectives.ppo import ValueHead, gae, ppo_loss
 from tba.objectives.registry import (
     BASELINE_KLS,
     OBJECTIVES,
     ROW_MEAN_GROUP_OBJECTIVES,
-    TOKEN_KL_OBJECTIVES,
     TRUST_REGIONS,
     LossInputs,
+    Needs,
     Objective,
 )
 from tba.objectives.schedules import BetaSchedule
 from tba.objectives.tb import tb_loss, tb_residuals, tb_trust_region_loss
+from tba.objectives.vineppo import vine_advantages, vineppo_loss
 
 __all__ = [
     "BASELINE_KLS",
     "OBJECTIVES",
     "ROW_MEAN_GROUP_OBJECTIVES",
-    "TOKEN_KL_OBJECTIVES",
     "TRUST_REGIONS",
     "BetaSchedule",
     "LossInputs",
+    "Needs",
     "Objective",
+    "ValueHead",
     "dr_grpo_loss",
     "gae",
     "group_mean",

@@ -1,6 +1,6 @@
 """Pieces shared by the objectives: per-prompt group means, input checks, masking, the KL-shaped
-reward and the PPO-style clipped surrogate. Every objective groups responses by an explicit
-integer prompt id, never by reshaping a batch."""
+reward, the per-token KL penalty and the PPO-style clipped surrogate. Every objective groups
+responses by an explicit integer prompt id, never by reshaping a batch."""
 
 from __future__ import annotations
 
@@ -78,6 +78,16 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
 def masked(token_values: Tensor, mask: Tensor) -> Tensor:
     """float32 copy with padding set to 0 (padding may hold anything, even -inf)."""
     return token_values.float().masked_fill(~mask, 0.0)
+
+
+def token_kl(
+    token_logp: Tensor, ref_token_logp: Tensor, mask: Tensor, kl_token_logp: Tensor | None
+) -> Tensor:
+    """Per-token ``stopgrad(log pi - log pi_ref)`` (N, T), 0 on padding: the per-token KL penalty
+    of PPO and VinePPO, with the log-probs of ``kl_token_logp`` instead of ``token_logp`` when
+    given (a KL term fixed when the sample was drawn)."""
+    source = token_logp if kl_token_logp is None else kl_token_logp
+    return masked(source.detach(), mask) - masked(ref_token_logp.detach(), mask)
 
 
 def shaped_rewards(

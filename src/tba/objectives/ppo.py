@@ -1,24 +1,28 @@
-"""Token-level PPO with a learned value, and VinePPO with Monte Carlo values instead of a critic.
+"""Token-level PPO with a learned value: PPO's clipped surrogate (Schulman et al., *Proximal
+Policy Optimization Algorithms*, arXiv 1707.06347) on advantages from generalised advantage
+estimation (Schulman et al., *High-Dimensional Continuous Control Using Generalized Advantage
+Estimation*, arXiv 1506.02438) over a critic's values, with its clipped value loss.
 
-Both work on per-token tensors (N, T), right-padded, with a 0/1 or boolean ``mask`` of real
-response tokens (EOS included; every row needs >= 1). ``token_logp`` is the current policy's
-per-token log-prob (the only input differentiated, with PPO's ``values``),
-``behaviour_token_logp`` that of the policy that generated the sample, ``ref_token_logp`` the
-reference policy's, and ``rewards`` the task's reward per sequence. The KL penalty is per token,
-in the units of every other objective here (``beta`` times nats, reward units):
+Per-token tensors are (N, T), right-padded, with a 0/1 or boolean ``mask`` of real response
+tokens (EOS included; every row needs >= 1). ``token_logp`` is the current policy's per-token
+log-prob (the only input differentiated, with ``values``), ``behaviour_token_logp`` that of the
+policy that generated the sample, ``ref_token_logp`` the reference policy's, and ``rewards`` the
+task's reward per sequence. The KL penalty is per token, in the units of every other objective
+(``beta`` times nats, reward units; VinePPO's is the same, :mod:`tba.objectives.vineppo`):
 
     kl_it = stopgrad(token_logp_it) - ref_token_logp_it      (or the behaviour log-probs: kl_logp)
     r_it  = -beta kl_it + [t = last real token of i] R_i
 
 so that ``sum_t r_it = R_i - beta KL_i``, the KL-shaped reward of the baselines and TB's target.
 
-- :func:`ppo_loss` -- GAE (gamma, lambda) on the critic's values, advantages whitened over the
-  batch, PPO's clipped ratio to the behaviour policy, and the clipped value loss.
-- :func:`vineppo_loss` -- the clipped ratio on each token's step advantage (from
-  :func:`vine_advantages`, Monte Carlo values of step prefixes) plus the KL penalty to go.
-
-Every loss is a sum over tokens divided by the number of sequences N, like Dr. GRPO's: the mean
-over sequences of a per-sequence quantity, so that micro-batches add up to the batch exactly.
+- :class:`ValueHead` -- the critic's learned part: V(s_t) = w . h_t + b on an LM's last hidden
+  states, started at zero. Which LM it reads (the policy's own forward pass, or a separate
+  trainable copy of the policy with its fp32 master weights) is model plumbing, which this layer
+  cannot import: `tba.policy.values.Critic` wraps this head with it.
+- :func:`ppo_loss` -- GAE (gamma, lambda) on the critic's values at the sample's first use
+  (V_old), advantages whitened over the batch, PPO's clipped ratio to the behaviour policy, and
+  the value loss clipped around V_old: a sum over tokens divided by the number of sequences N,
+  like Dr. GRPO's, so that micro-batches add up to the batch exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tba.objectives.common import check_positive, clipped_objective, masked, validate_tokens
+from tba.objectives.common import (
+    check_positive,
+    clipped_objective,
+    masked,
+    token_kl,
+    validate_tokens,
+)
 
 WHITEN_EPS = 1e-8
 
@@ -103,60 +113,30 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     mask = mask.bool()
     target = returns.detach()[mask]
     residual = target - values.detach()[mask]
-    return 1.0 - residual.var(unbiased=False) / target.var(unbiased=False)
+    spread = target.var(unbiased=False)
+    if spread == 0:  # nothing to explain: undefined, not -inf
+        return torch.full_like(spread, float("nan"))
+    return 1.0 - residual.var(unbiased=False) / spread
 
 
-def reward_to_go(token_values: Tensor, mask: Tensor) -> Tensor:
-    """``sum_{t' >= t} x_t'`` over real tokens (N, T), 0 on padding."""
-    mask = mask.bool()
-    values = token_values.masked_fill(~mask, 0.0)
-    return values.flip(1).cumsum(1).flip(1).masked_fill(~mask, 0.0)
+# ----------------------------------------------------------------------------- the critic
 
 
-def step_index(step_ends: list[list[int]], width: int, device=None) -> Tensor:
-    """(N, width) long: the step of each response token, 0, 1, ..., given each response's step
-    ends (exclusive token indices, increasing, the last one its length); padding gets the last
-    step's index (mask it)."""
-    longest = max(len(ends) for ends in step_ends)
-    padded = torch.tensor([ends + [ends[-1]] * (longest - len(ends)) for ends in step_ends],
-                          device=device)  # fmt: skip
-    columns = torch.arange(width, device=device)
-    index = (columns[None, :, None] >= padded[:, None, :]).sum(-1)
-    counts = torch.tensor([len(ends) for ends in step_ends], device=device)
-    return torch.minimum(index, counts[:, None] - 1)
+class ValueHead(torch.nn.Linear):
+    """PPO's critic on an LM's last hidden states (N, T, H): ``V(s_t) = w . h_t + b``, read at
+    the position of the logits that predict response token t, so that s_t is the prompt and the
+    response's first t tokens. Started at zero: the first values are 0 whatever the hidden
+    states. A linear layer (H -> 1), so its weights are those of ``torch.nn.Linear``."""
 
+    def __init__(self, width: int, device: torch.device | None = None) -> None:
+        super().__init__(width, 1, device=device)
+        torch.nn.init.zeros_(self.weight)
+        torch.nn.init.zeros_(self.bias)
 
-def vine_advantages(
-    state_values: Tensor, steps: Tensor, num_steps: Tensor, rewards: Tensor, mask: Tensor
-) -> tuple[Tensor, Tensor]:
-    """VinePPO's step advantages from Monte Carlo values of the step prefixes.
-
-    A response of n steps visits the states s_0 (the prompt), s_1, ..., s_{n-1} (the prompt and
-    its first steps); ``state_values`` (N, S >= n) holds their estimates V(s_k) (padding
-    ignored), ``steps`` (N, T) each token's step, ``num_steps`` (N,) n. The reward R comes at
-    the end, after which nothing is left to earn:
-
-        A_k = r_k + V(s_{k+1}) - V(s_k),     r_k = [k = n - 1] R,   V(s_n) = 0
-
-    so that ``sum_k A_k = R - V(s_0)`` exactly. Returns ``(token advantages (N, T), 0 on
-    padding; step advantages (N, S), 0 past each response's n steps)``."""
-    mask = mask.bool()
-    values = state_values
-    columns = torch.arange(values.shape[1], device=values.device)
-    last = columns[None, :] == (num_steps[:, None] - 1)
-    live = columns[None, :] < num_steps[:, None]
-    following = torch.cat([values[:, 1:], values.new_zeros(values.shape[0], 1)], dim=1)
-    following = torch.where(last, rewards.to(values.dtype)[:, None], following)
-    step_advantages = ((following - values) * live).masked_fill(~live, 0.0)
-    token_advantages = step_advantages.gather(1, steps.clamp(min=0))
-    return token_advantages.masked_fill(~mask, 0.0), step_advantages
-
-
-def _token_kl(
-    token_logp: Tensor, ref_token_logp: Tensor, mask: Tensor, kl_token_logp: Tensor | None
-) -> Tensor:
-    source = token_logp if kl_token_logp is None else kl_token_logp
-    return masked(source.detach(), mask) - masked(ref_token_logp.detach(), mask)
+    def forward(self, hidden: Tensor, lengths: Tensor) -> Tensor:
+        """V(s_t) for every response token (N, T), fp32, 0 past each response's ``lengths``."""
+        real = torch.arange(hidden.size(1), device=hidden.device) < lengths[:, None]
+        return super().forward(hidden.float()).squeeze(-1) * real
 
 
 # ----------------------------------------------------------------------------- losses
@@ -180,6 +160,16 @@ def ppo_loss(
     kl_token_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level PPO with a learned value (``values``: the critic's V(s_t), (N, T)).
+
+    ``old_values`` is PPO's V_old: the critic's values when the sample was first trained on
+    (the trainer stores them with the sample, `tba.core.Sample.old_values`), given for every
+    later use of it (``buffer.fresh_uses`` > 1, replay); None (a first use) takes ``values``
+    detached. As in CleanRL's and TRL's PPO, whose advantages and returns are computed once per
+    rollout from the rollout's values and reused across epochs and minibatches, GAE runs on V_old,
+    so a sample keeps its value targets ``G`` across uses, and the value clip is around V_old: on
+    a first use V = V_old and the clip cannot bind. (The rewards' KL term is the current policy's
+    unless ``kl_token_logp`` fixes it at sampling; with it the advantages too are the first
+    use's, whitening aside.)
 
         r_t       per-token rewards (module docstring); V_old = stopgrad(old_values or values)
         A, G      = gae(r, V_old, gamma, gae_lambda)             (G: the value targets)
@@ -209,9 +199,9 @@ def ppo_loss(
     mask = mask.bool()
     n = mask.shape[0]
     token_logp = masked(token_logp, mask)
-    token_kl = _token_kl(token_logp, ref_token_logp, mask, kl_token_logp)
+    kl = token_kl(token_logp, ref_token_logp, mask, kl_token_logp)
     old = masked((values if old_values is None else old_values).detach(), mask)
-    advantages, returns = gae(token_rewards(rewards, token_kl, mask, beta), old, mask, gamma,
+    advantages, returns = gae(token_rewards(rewards, kl, mask, beta), old, mask, gamma,
                               gae_lambda)  # fmt: skip
     log_ratio = token_logp - masked(behaviour_token_logp.detach(), mask)
     objective, clipped = clipped_objective(log_ratio, whiten(advantages, mask), clip_eps)
@@ -230,53 +220,7 @@ def ppo_loss(
         "value_mean": old[mask].mean(),
         "clip_frac": (clipped & mask).sum() / tokens,
         "value_clip_frac": value_clipped.sum() / tokens,
-        "kl": token_kl.sum(dim=1).mean(),
+        "kl": kl.sum(dim=1).mean(),
     }
     return policy_loss + value_coef * value_loss, stats
 
-
-def vineppo_loss(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
-    step_advantages: Tensor,
-    ref_token_logp: Tensor,
-    *,
-    beta: float,
-    clip_eps: float = 0.2,
-    kl_token_logp: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """VinePPO: PPO's clipped ratio on each token's step advantage (``step_advantages`` (N, T),
-    :func:`vine_advantages`: Monte Carlo values of the task reward) and the KL penalty to go:
-
-        A_t    = A_step(t) - beta sum_{t' >= t} kl_t'
-        loss   = -(1/N) sum_{i,t} min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)
-
-    The Monte Carlo values estimate the task reward only, so the KL part of the return keeps no
-    baseline (it is known exactly for the sampled response). No whitening: the advantages are in
-    reward units. ``kl_token_logp`` as in :func:`ppo_loss`. Stats: ``advantage_mean``,
-    ``advantage_std``, ``clip_frac`` and ``kl``.
-    """
-    validate_tokens(
-        mask,
-        {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp,
-         "step_advantages": step_advantages, "ref_token_logp": ref_token_logp},
-        {},
-    )  # fmt: skip
-    check_positive("beta", beta, allow_zero=True)
-    check_positive("clip_eps", clip_eps)
-    mask = mask.bool()
-    token_logp = masked(token_logp, mask)
-    token_kl = _token_kl(token_logp, ref_token_logp, mask, kl_token_logp)
-    advantages = masked(step_advantages.detach(), mask) - beta * reward_to_go(token_kl, mask)
-    log_ratio = token_logp - masked(behaviour_token_logp.detach(), mask)
-    objective, clipped = clipped_objective(log_ratio, advantages, clip_eps)
-    loss = -objective.masked_fill(~mask, 0.0).sum() / mask.shape[0]
-    real = advantages[mask]
-    stats = {
-        "advantage_mean": real.mean(),
-        "advantage_std": real.std(unbiased=False),
-        "clip_frac": (clipped & mask).sum() / mask.sum(),
-        "kl": token_kl.sum(dim=1).mean(),
-    }
-    return loss, stats

@@ -1,20 +1,34 @@
-"""Every objective behind one signature, by the name `train.loss` gives it.
+"""Every objective by the name `train.loss` gives it: its loss behind one signature, and what it
+needs.
 
-    loss, stats = OBJECTIVES[name](inputs)          inputs: `LossInputs`, one micro-batch
+    objective = OBJECTIVES[name]
+    loss, stats = objective(inputs)          inputs: `LossInputs`, one micro-batch
+    objective.needs.critic, ...              what the trainer and the searchers provide for it
 
-The losses themselves (`tba.objectives.tb`, `tba.objectives.baselines`, `tba.objectives.ppo`)
-keep the arguments their formulas need; the entries here only pick those out of `LossInputs`.
-Adding an objective is one function and one entry: the trainer and the config's allowed names
-read this table.
+The losses themselves (`tba.objectives.tb`, `.baselines`, `.ppo`, `.vineppo`) keep the arguments
+their formulas need; the entries here pick those out of `LossInputs`, and their settings out of
+the one settings object it carries (`LossInputs.settings`, the config's `train` section: the
+shared `clip_eps`, an objective's own sub-section such as `train.ppo`).
+
+Adding an objective is one module and one entry: a module in `tba/objectives/` with its loss, a
+pure function (its formula and paper in the docstring, a float64 reference test), and here an
+`Objective(loss=..., needs=Needs(...))` under its name in `OBJECTIVES`. The loss reads
+`LossInputs`; `needs` asks for anything beyond it (a critic's values, per-token reference
+log-probs, Monte Carlo step values, ...). The trainer, the searchers and the config's allowed
+names read this table and never an objective's name, so nothing else changes (`lint-imports`
+checks the new module once its name joins the middle layer of the `tba.objectives` contract in
+`pyproject.toml`; settings of its own would be a sub-section of `train` in `tba/config.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
+from tba.core import Sample
 from tba.objectives.baselines import (
     dr_grpo_loss,
     grpo_loss,
@@ -22,8 +36,9 @@ from tba.objectives.baselines import (
     proximal_rloo_loss,
     rloo_loss,
 )
-from tba.objectives.ppo import ppo_loss, vineppo_loss
+from tba.objectives.ppo import ppo_loss
 from tba.objectives.tb import tb_loss, tb_trust_region_loss
+from tba.objectives.vineppo import token_step_advantages, vineppo_loss
 
 TRUST_REGIONS = ("sequence", "token", "none")  # tb's; `none` is the paper's plain TB
 # The baselines' KL term: the current policy's log-probs, or the behaviour policy's (fixed when the
@@ -31,10 +46,38 @@ TRUST_REGIONS = ("sequence", "token", "none")  # tb's; `none` is the paper's pla
 BASELINE_KLS = ("current", "behaviour")
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What an objective needs beyond what every one gets (`LossInputs`' per-token log-probs and
+    mask, rewards, summed reference and behaviour log-probs, group ids, beta, settings and the
+    samples). The trainer and the searchers provide these by reading them, never the name."""
+
+    # A learned value V(s_t) per token (`LossInputs.values`, differentiable): the trainer trains
+    # a critic with the policy (`tba.policy.values.Critic`, set by `train.ppo`) and checkpoints it,
+    # and stores each sample's values at its first use (`Sample.old_values`, V_old), which every
+    # later use of the sample gets as `LossInputs.old_values`.
+    critic: bool = False
+    # Per-token reference log-probs (`LossInputs.ref_token_logp`), for a per-token KL penalty:
+    # the searchers store them with each sample (`Sample.ref_token_logps`).
+    token_ref_logp: bool = False
+    # Monte Carlo values of each response's step prefixes (`Sample.step_ends`,
+    # `Sample.step_values`): the searchers estimate them from extra rollouts (`tba.vine`, set by
+    # `train.vineppo`).
+    step_values: bool = False
+    # Takes a learned log Z(x) per sequence (`LossInputs.log_z`) when `train.tb.log_z=learned`:
+    # the trainer then learns the head with the policy and checkpoints it.
+    learned_log_z: bool = False
+    # A mean over the batch's sequences of a term computed from its group's statistics (log Z, a
+    # mean or leave-one-out baseline): samples that only enter those statistics
+    # (`train.group_baseline=generation`, `Batch.context`) can join their group with detached
+    # log-probs.
+    group_statistics: bool = False
+
+
 @dataclass
 class LossInputs:
     """One micro-batch as every objective sees it: per-token tensors (N, T), right-padded, per
-    sequence (N,), and the objective's settings."""
+    sequence (N,), the samples they come from, and the settings."""
 
     token_logp: Tensor  # the current policy's, masked to 0 on padding; differentiable
     mask: Tensor  # 1 on real response tokens (EOS included)
@@ -43,17 +86,17 @@ class LossInputs:
     ref_logp: Tensor  # summed over the response
     group_ids: Tensor  # the prompt of each sequence
     beta: float
-    clip_eps: float = 0.2
-    trust_region: str = "sequence"  # tb: one of TRUST_REGIONS
-    log_z: Tensor | None = None  # tb: a learned log Z(x) per sequence (None: VarGrad's estimate)
+    # The config's `train` section (`tba.config.TrainConfig`, a layer above: read, not
+    # imported): the shared `clip_eps`, and each objective's own sub-section (`tb`, `ppo`, ...).
+    settings: Any
+    samples: list[Sample] = field(default_factory=list)  # the rows, in order
     kl_logp: Tensor | None = None  # baselines: summed log-probs of the KL term (None: current)
-    # ppo and vineppo: per-token reference log-probs (N, T), for the per-token KL penalty
-    ref_token_logp: Tensor | None = None
-    values: Tensor | None = None  # ppo: the critic's V(s_t) (N, T), differentiable
-    gae_lambda: float = 0.95  # ppo
-    value_clip: float = 0.2  # ppo
-    value_coef: float = 0.1  # ppo
-    step_advantages: Tensor | None = None  # vineppo: each token's step advantage (N, T)
+    log_z: Tensor | None = None  # needs.learned_log_z: log Z(x) per sequence (None: VarGrad's)
+    ref_token_logp: Tensor | None = None  # needs.token_ref_logp: (N, T)
+    values: Tensor | None = None  # needs.critic: V(s_t) (N, T), differentiable
+    # needs.critic: V_old, the critic's values stored with each sample at its first use in
+    # training (`Sample.old_values`), (N, T); None: `values` detached (every row's first use).
+    old_values: Tensor | None = None
 
     def behaviour(self) -> Tensor:
         if self.behaviour_token_logp is None:
@@ -71,27 +114,39 @@ class LossInputs:
         return None if self.kl_logp is None else self.behaviour()
 
 
-Objective = Callable[[LossInputs], tuple[Tensor, dict[str, Tensor]]]
+Loss = Callable[[LossInputs], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """An entry of `OBJECTIVES`: the loss on a micro-batch, and what it needs."""
+
+    loss: Loss
+    needs: Needs = Needs()
+
+    def __call__(self, inputs: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.loss(inputs)
 
 
 def _tb(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    if x.trust_region == "none":
+    level = x.settings.tb.trust_region
+    if level == "none":
         logp = x.token_logp.sum(dim=1)
         loss, log_z = tb_loss(logp, x.ref_logp, x.rewards, x.group_ids, x.beta, x.log_z)
         return loss, {"log_z": log_z.mean(), "kl": (logp.detach() - x.ref_logp).mean()}
     return tb_trust_region_loss(
         x.token_logp, x.behaviour(), x.mask, x.rewards, x.ref_logp, x.group_ids,
-        beta=x.beta, clip_eps=x.clip_eps, level=x.trust_region, log_z=x.log_z,
+        beta=x.beta, clip_eps=x.settings.clip_eps, level=level, log_z=x.log_z,
     )  # fmt: skip
 
 
-def _clipped(loss: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> Objective:
+def _clipped(loss: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> Loss:
     """(Dr.) GRPO and Proximal RLOO: a clipped ratio to the behaviour policy."""
 
     def objective(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         return loss(
             x.token_logp, x.behaviour(), x.mask, x.rewards, x.ref_logp, x.group_ids,
-            beta=x.beta, clip_eps=x.clip_eps, kl_logp=x.kl_logp,
+            beta=x.beta, clip_eps=x.settings.clip_eps, kl_logp=x.kl_logp,
         )  # fmt: skip
 
     return objective
@@ -110,36 +165,33 @@ def _online_dpo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 def _ppo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     if x.values is None:
         raise ValueError("ppo needs the critic's values")
+    ppo = x.settings.ppo
     return ppo_loss(
         x.token_logp, x.behaviour(), x.mask, x.rewards, x.ref_tokens(), x.values, beta=x.beta,
-        clip_eps=x.clip_eps, gae_lambda=x.gae_lambda, value_clip=x.value_clip,
-        value_coef=x.value_coef, kl_token_logp=x.kl_tokens(),
+        clip_eps=x.settings.clip_eps, gae_lambda=ppo.gae_lambda, value_clip=ppo.value_clip,
+        value_coef=ppo.value_coef, old_values=x.old_values, kl_token_logp=x.kl_tokens(),
     )  # fmt: skip
 
 
 def _vineppo(x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    if x.step_advantages is None:
-        raise ValueError("vineppo needs every sample's Monte Carlo step values")
     return vineppo_loss(
-        x.token_logp, x.behaviour(), x.mask, x.step_advantages, x.ref_tokens(), beta=x.beta,
-        clip_eps=x.clip_eps, kl_token_logp=x.kl_tokens(),
+        x.token_logp, x.behaviour(), x.mask, token_step_advantages(x.samples, x.mask, x.rewards),
+        x.ref_tokens(), beta=x.beta, clip_eps=x.settings.clip_eps, kl_token_logp=x.kl_tokens(),
     )  # fmt: skip
 
 
+_GROUP = Needs(group_statistics=True)
 OBJECTIVES: dict[str, Objective] = {
-    "tb": _tb,
-    "dr_grpo": _clipped(dr_grpo_loss),
-    "grpo": _clipped(grpo_loss),
-    "rloo": _rloo,
-    "proximal_rloo": _clipped(proximal_rloo_loss),
-    "online_dpo": _online_dpo,
-    "ppo": _ppo,
-    "vineppo": _vineppo,
+    "tb": Objective(_tb, Needs(learned_log_z=True, group_statistics=True)),
+    "dr_grpo": Objective(_clipped(dr_grpo_loss), _GROUP),
+    "grpo": Objective(_clipped(grpo_loss), _GROUP),
+    "rloo": Objective(_rloo, _GROUP),
+    "proximal_rloo": Objective(_clipped(proximal_rloo_loss), _GROUP),
+    "online_dpo": Objective(_online_dpo),
+    "ppo": Objective(_ppo, Needs(critic=True, token_ref_logp=True)),
+    "vineppo": Objective(_vineppo, Needs(token_ref_logp=True, step_values=True)),
 }
-# The objectives whose loss is a mean over the batch's sequences of a term computed from its
-# group's statistics (log Z, a mean or leave-one-out baseline): samples that only enter those
-# statistics (`train.group_baseline=generation`) can join their group with detached log-probs.
-ROW_MEAN_GROUP_OBJECTIVES = ("tb", "dr_grpo", "grpo", "rloo", "proximal_rloo")
-# The objectives that learn from per-token reference log-probs (the searchers then store them),
-# and the one that needs Monte Carlo values of each response's step prefixes.
-TOKEN_KL_OBJECTIVES = ("ppo", "vineppo")
+# Derived from the entries, for the config's messages: the objectives that context samples can
+# join (`Needs.group_statistics`).
+ROW_MEAN_GROUP_OBJECTIVES = tuple(name for name, o in OBJECTIVES.items()
+                                  if o.needs.group_statistics)  # fmt: skip

@@ -1,4 +1,6 @@
-"""VarGrad Trajectory Balance, in reward units, with an optional trust region.
+"""VarGrad Trajectory Balance, in reward units, with an optional trust region: the objective of
+TBA (Bartoldson et al., *Trajectory Balance with Asynchrony: Decoupling Exploration and Learning
+for Fast, Scalable LLM Post-Training*, NeurIPS 2025, arXiv 2503.18929).
 
 For a prompt x with sampled responses y_1..y_K (one "group"), the Trajectory Balance (TB)
 constraint for the KL-regularised target ``pi*(y|x) ∝ pi_ref(y|x) exp(r(x, y) / beta)`` is

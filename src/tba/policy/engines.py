@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tba.errors import ConfigError
+from tba.policy.gguf import gguf_file
 from tba.policy.model import policy_state_dict
 from tba.policy.sampling import Generation, SamplerKind, sampler_for
 
@@ -103,6 +104,10 @@ class VllmEngine:
         # The engine core in this process (not in one vLLM spawns): weights then reach it as
         # tensors, not as lists (what crossing vLLM's process boundary makes of them).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if gguf_file(model_dir) is not None:
+            raise ConfigError(f"searchers.engine=vllm loads a model directory, and policy.model "
+                              f"is a GGUF file ({model_dir}): save it as a directory "
+                              "(save_pretrained) or use searchers.engine=builtin")  # fmt: skip
         vllm = require_vllm()
         start = time.time()
         self.llm = vllm.LLM(

@@ -5,10 +5,10 @@ transformers 5.24 renamed the forward argument and output field `past_key_values
 not moved (older releases, remote code) only know the old name, so the name is read from the
 model's own forward signature.
 
-The static path of `tba.policy.sampling` decodes into Hugging Face's `StaticCache`: preallocated
-keys and values that a compiled decode step writes in place. The prompts' prefill still runs with
-the default dynamic cache (one row per distinct prompt), and is then copied into the static one,
-one row per sample.
+The static path of sampling (`tba.policy.static_sampling`) decodes into Hugging Face's
+`StaticCache`: preallocated keys and values that a compiled decode step writes in place. The
+prompts' prefill still runs with the default dynamic cache (one row per distinct prompt), and is
+then copied into the static one, one row per sample.
 """
 
 from __future__ import annotations

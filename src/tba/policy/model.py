@@ -7,6 +7,11 @@ Weights cross process boundaries as numpy arrays (`get_weights` / `set_weights`)
 bfloat16, so a bf16 tensor travels as the int16 view of its bits and is viewed back as bf16 on
 arrival: lossless, and no bigger. With LoRA the trainer and the searchers each wrap their one
 copy of the base weights with the same adapters, and only the adapter tensors travel.
+
+Devices: `resolve_device` is the one normalisation of a device setting into a `torch.device`
+(here, below every layer that loads a model: policies, reward models, Ray actors), and
+`check_device` whether this machine has it; which device each part of a run gets is decided in
+`tba.runtime.placement`.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from huggingface_hub import save_torch_state_dict
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from tba.config import LoraConfig, QuantizationConfig, RunConfig, check_searcher_devices, cuda_index
+from tba.config import LoraConfig, QuantizationConfig
 from tba.errors import ConfigError, first_line
+from tba.policy.gguf import gguf_file, load_gguf_model
 from tba.policy.quantization import (
     bnb_config,
     dequantized_weight,
@@ -34,81 +40,43 @@ from tba.policy.quantization import (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto` picks CUDA when present, else the CPU."""
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The one normalisation of a device (a setting such as `auto`, `cuda`, `cuda:1`, `mps`,
+    `cpu`, or a `torch.device`), so that two devices compare as devices: a CUDA device always
+    has its index, the way a tensor's `.device` names it (`cuda` is `cuda:<current index>`,
+    which `torch.device("cuda")` is not equal to), and `mps` is `mps:0`. `auto` is `cuda` when
+    torch sees a CUDA device, else `cpu`. Naming a device does not start CUDA: until CUDA
+    starts in this process its current GPU is the first. Resolved in the process that uses the
+    device: a Ray searcher numbers only the GPUs it reserves, from 0. Where the trainer, the
+    searchers and the reward models run is decided in `tba.runtime.placement`."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = torch.device(device)
+    if target.index is not None:
+        return target
+    if target.type == "cuda":
+        started = torch.cuda.is_initialized()
+        return torch.device("cuda", torch.cuda.current_device() if started else 0)
+    if target.type == "mps":
+        return torch.device("mps", 0)
+    return target
 
 
 def check_device(device: str, key: str) -> None:
     """A device setting (`key`) names a device this machine has: one line saying what it has
     instead of torch's traceback once the model is moved there."""
-    index = cuda_index(device)
-    if index is not None:
+    target = resolve_device(device)
+    if target.type == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
             raise ConfigError(f"{key}={device}: this machine has no CUDA device (torch sees "
                               f"none); set {key}=cpu, or auto")  # fmt: skip
-        if index >= count:
+        if target.index >= count:
             have = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
             raise ConfigError(f"{key}={device}: this machine has {count} CUDA device(s), "
                               f"{have}")  # fmt: skip
-    if device == "mps" and not torch.backends.mps.is_available():
+    if target.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{key}=mps: this machine has no MPS device; set {key}=cpu, or auto")
-
-
-def check_devices(config: RunConfig) -> None:
-    """Every device setting of a run that this machine must have, checked before anything
-    starts: the trainer's and the reward models', and the searchers' where they run here (in
-    this process, or in a local Ray instance, which has this machine's GPUs to give)."""
-    check_device(config.policy.device, "policy.device")
-    check_device(config.task.reward_device, "task.reward_device")
-    reserved = 0.0  # by each searcher process
-    if config.searchers.count == 0:  # in this process
-        check_device(config.searchers.device, "searchers.device")
-    else:
-        reserved = searcher_devices_given(config)
-    ranked = config.trainer.world_size > 1  # the trainer's ranks are Ray actors too
-    asked = {"searchers.num_gpus": reserved,
-             "trainer.num_gpus": config.trainer.num_gpus if ranked else 0.0}  # fmt: skip
-    local_gpus = [key for key, gpus in asked.items() if gpus > 0 and config.ray.address is None]
-    if local_gpus and torch.cuda.device_count() == 0:
-        raise ConfigError(f"{local_gpus[0]} > 0, but this machine has no CUDA device for its "
-                          f"local Ray instance to give; set {local_gpus[0]}=0, or ray.address "
-                          "to a cluster with GPUs")  # fmt: skip
-
-
-def searcher_gpus(config: RunConfig) -> tuple[float, str]:
-    """`searchers.num_gpus` as a number, and how `auto` chose it: where a local Ray instance
-    has a GPU to give, each searcher takes 1 / (count + 1) of it, so that the searchers share
-    the first GPU with the trainer; none without searcher processes, on a cluster
-    (`ray.address`: its GPUs are not this machine's to count), with `searchers.device=cpu` or
-    on a machine without CUDA."""
-    sc = config.searchers
-    if sc.num_gpus != "auto":
-        return sc.num_gpus, ""
-    if sc.count == 0:
-        return 0.0, "no searcher processes"
-    if config.ray.address is not None:
-        return 0.0, "a cluster's GPUs (ray.address) are yours to set"
-    if sc.device == "cpu":
-        return 0.0, "searchers.device=cpu"
-    if not torch.cuda.is_available():
-        return 0.0, "this machine has no CUDA device"
-    return 1.0 / (sc.count + 1), "a share of the trainer's GPU"
-
-
-def searcher_devices_given(config: RunConfig) -> float:
-    """The GPUs each searcher process reserves (`searcher_gpus`); ConfigError in one line where
-    their devices (their own, the reward models') need a GPU that this does not give them."""
-    gpus, why = searcher_gpus(config)
-    try:
-        auto = f" (`auto` gave 0: {why})" if gpus == 0 and why else ""
-        check_searcher_devices(config, gpus, auto)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    return gpus
 
 
 def build_tiny_llama(
@@ -146,8 +114,16 @@ def load_model(
 ) -> PreTrainedModel:  # fmt: skip
     """Load a causal LM saved with `save_pretrained` (or any Hugging Face model id), quantized
     when `quantization.bits` > 0; one that cannot be loaded is one line (`ConfigError`) naming it
-    and why."""
+    and why. A GGUF file (or a directory holding one and no config.json) loads dequantized into a
+    plain model in `dtype` (`tba.policy.gguf`)."""
     quantized = bnb_config(quantization, dtype) if quantization is not None else None
+    gguf = gguf_file(path)
+    if gguf is not None:
+        if quantized:
+            raise ConfigError(f"policy.model: {gguf} is a GGUF file, which loads dequantized: "
+                              "quantization.bits > 0 needs a model directory (save the loaded "
+                              "model with save_pretrained)")  # fmt: skip
+        return load_gguf_model(gguf, dtype).to(device)
     # A quantized model is placed while it loads, and not moved after.
     placement = ({"quantization_config": quantized, "device_map": {"": torch.device(device)}}
                  if quantized else {})  # fmt: skip
@@ -257,6 +233,12 @@ def set_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
         model.load_state_dict(state)
         return
     peft.set_peft_model_state_dict(model, state)
+
+
+def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a searcher needs to become this policy, as the model's own tensors (not copies:
+    they share the parameters' memory): every weight, or with LoRA only the adapters."""
+    return _published_state(model)
 
 
 def _published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

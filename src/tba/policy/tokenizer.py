@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from tba.core import Prompt
 from tba.errors import ConfigError, first_line
+from tba.policy.gguf import gguf_file, load_gguf_tokenizer
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # What `save_pretrained` writes for a tokenizer of any kind (fast, sentencepiece, BPE, WordPiece).
@@ -67,16 +68,21 @@ def load_tokenizer(path: str, *, chat_template: bool = False) -> PreTrainedToken
 
     A response ends at EOS, so a tokenizer without one is refused. One without a pad token (GPT-2,
     Llama) pads with EOS: every mask is built from sequence lengths, never from `ids != pad`, so a
-    pad id equal to EOS is harmless. Padding goes on the left, where generation needs it.
+    pad id equal to EOS is harmless. Padding goes on the left, where generation needs it. A GGUF
+    file (or a directory holding one and no config.json) gives the tokenizer it stores.
     """
     local = Path(path).expanduser()
-    if local.is_dir() and not any((local / name).exists() for name in TOKENIZER_FILES):
+    gguf = gguf_file(local)
+    if gguf is not None:
+        tokenizer = load_gguf_tokenizer(gguf)
+    elif local.is_dir() and not any((local / name).exists() for name in TOKENIZER_FILES):
         raise ConfigError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}): "
                           "save the model's tokenizer beside it (tokenizer.save_pretrained)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as error:  # incomplete, damaged, unknown: all one line to a user
-        raise ConfigError(f"cannot load a tokenizer from {path}: {first_line(error)}") from None
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as error:  # incomplete, damaged, unknown: all one line to a user
+            raise ConfigError(f"cannot load a tokenizer from {path}: {first_line(error)}") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(
             f"policy.model: the tokenizer in {path} has no EOS token, so responses could not end"

@@ -1,11 +1,11 @@
-"""PPO's critic: V(s_t) for every response position, a linear head on a causal LM's last hidden
-state.
+"""PPO's critic as a model: `tba.objectives.ppo.ValueHead` (V(s_t), a linear head on a causal
+LM's last hidden state, started at zero) on the LM it reads.
 
-The state s_t is the prompt and the response's first t tokens, so V(s_t) is read at the same
-position as the logits that predict response token t (`tba.policy.logprobs`). The LM it reads is
+The head is PPO's and lives with its loss; this adapter is the model plumbing the objectives'
+layer cannot import: which LM's hidden states the head reads, and that LM's weights. The LM is
 the policy itself (the default: the value loss then also trains the policy's layers, as TRL's
-value head does) or a separate critic, a trainable copy of the starting policy. The head starts
-at zero, so the first values are 0 whatever the hidden states.
+value head does) or a separate critic, a trainable copy of the starting policy with its own fp32
+master weights. The trainer builds one where its objective's `Needs.critic` asks for it.
 
 A head on the policy reads the hidden states of the policy's own forward pass (the one its
 log-probs come from): no second pass. A separate critic runs its own, hidden states only.
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from tba.objectives.ppo import ValueHead
 from tba.policy.logprobs import response_hidden
 from tba.policy.model import disable_dropout, frozen_copy
 from tba.policy.precision import MasterWeights
@@ -31,10 +32,7 @@ class Critic:
         self, policy: PreTrainedModel, *, separate: bool, head_lr: float, trunk_lr: float
     ) -> None:
         device = next(policy.parameters()).device
-        width = policy.get_input_embeddings().embedding_dim
-        self.head = torch.nn.Linear(width, 1, device=device)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
+        self.head = ValueHead(policy.get_input_embeddings().embedding_dim, device=device)
         self.groups: list[dict[str, Any]] = [{"params": list(self.head.parameters()),
                                               "lr": head_lr}]  # fmt: skip
         self.trunk = policy
@@ -61,9 +59,7 @@ class Critic:
         if hidden is None:
             hidden, _, _ = response_hidden(self.trunk, prompts, responses, pad_id=pad_id,
                                            share_prompts=False)  # fmt: skip
-        lengths = torch.tensor([len(r) for r in responses], device=hidden.device)
-        real = torch.arange(hidden.size(1), device=hidden.device) < lengths[:, None]
-        return self.head(hidden.float()).squeeze(-1) * real
+        return self.head(hidden, torch.tensor([len(r) for r in responses], device=hidden.device))
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer updates (and the clip bounds): head, and a separate LM's weights."""

@@ -22,15 +22,22 @@ the function's weight (`task.reward_weights`, default 1); a completion no functi
 dropped and counted (`unscored`).
 
 When a call raises, does not return within `timeout_s`, returns something that is not a list of
-that length, or NaN, inf or a non-number for some completions, the completions it failed on are
-dropped and counted (never scored as 0, which would teach the policy that they were wrong), and
-the fault is reported with the function's name and the reason. A function whose last
-`max_failures` calls all failed stops the run with `RewardError`: it is broken, not unlucky.
+that length, or NaN or inf for some completions, the completions it failed on are dropped and
+counted (never scored as 0, which would teach the policy that they were wrong), and the fault is
+reported with the function's name and the reason. A function whose last `max_failures` calls all
+failed stops the run with `RewardError`: it is broken, not unlucky.
+
+A value that is not a number at all (a string, even one that reads as a number like `"1"`, a
+list, a dict) is a bug in the function, not a fault of a completion: it stops the run at once
+with `RewardError` naming the value, as TRL's `torch.tensor` stops on it. Dropping those
+completions would train on the rest alone: a function returning `"1"` for right answers and
+`0.0` otherwise would teach only its zeros.
 """
 
 from __future__ import annotations
 
 import asyncio
+import decimal
 import inspect
 import math
 import numbers
@@ -144,21 +151,60 @@ def as_values(returned: Any) -> list | None:
     return list(returned)
 
 
-def _as_reward(value: Any) -> float | None:
-    """A finite float (True counts as 1), from a Python, numpy or torch number (a one-element
-    array or tensor too); None stays None (not scored); NaN for anything else (NaN, inf, a
-    string)."""
+# What `_number` gives for a value that is no number (a string, a list, an array of several).
+NOT_A_NUMBER = object()
+
+
+def _number(value: Any) -> float | None | object:
+    """A float (True counts as 1, NaN and inf stay), from a Python, numpy or torch number (a
+    one-element array or tensor too) or a `Decimal`; None stays None (not scored);
+    `NOT_A_NUMBER` for anything else: a string is not read as a number, as in TRL."""
     if value is None:
         return None
+    if isinstance(value, str | bytes):
+        return NOT_A_NUMBER
+    if isinstance(value, decimal.Decimal):
+        return float(value)
     if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):
         try:  # numpy scalars (numpy booleans are not `numbers.Real`), 0-d tensors
             value = value.item()
         except (ValueError, RuntimeError):  # an array of several values
-            return math.nan
+            return NOT_A_NUMBER
     if not isinstance(value, numbers.Real):
+        return NOT_A_NUMBER
+    return float(value)
+
+
+def _as_reward(value: Any) -> float | None:
+    """A finite float (`_number`); None stays None (not scored); NaN for anything else (NaN,
+    inf, a string)."""
+    value = _number(value)
+    if value is None:
+        return None
+    if value is NOT_A_NUMBER or not math.isfinite(value):  # type: ignore[arg-type]
         return math.nan
-    value = float(value)
-    return value if math.isfinite(value) else math.nan
+    return value  # type: ignore[return-value]
+
+
+def not_a_number_error(name: str, returned: list, count: int) -> RewardError | None:
+    """The error for a function that returned something that is no number for some completions
+    (None when all its values are numbers or None): it is the function's bug, and dropping those
+    completions alone would train on the others' values."""
+    wrong = [value for value in returned if _number(value) is NOT_A_NUMBER]
+    if not wrong:
+        return None
+    example = wrong[0]
+    what = f"{example!r:.60}, a {type(example).__name__},"
+    advice = "rewards are numbers (or None for a completion not scored), as in TRL"
+    if isinstance(example, str):
+        try:
+            readable = math.isfinite(float(example))
+        except ValueError:
+            readable = False
+        if readable:
+            advice += f", which reads no string as a number: return float({example!r})"
+    return RewardError(f"reward function {name!r} returned {what} for {len(wrong)} of {count} "
+                       f"completions: {advice}")  # fmt: skip
 
 
 def check_reward_weights(weights: Sequence[float] | None, count: int) -> None:
@@ -287,6 +333,8 @@ class RewardScorer:
         returned = values
         if len(returned) != count:
             return unusable, f"returned {len(returned)} values for {count} completions"
+        if (error := not_a_number_error(_name(fn), returned, count)) is not None:
+            raise error
         values = [_as_reward(v) for v in returned]
         failed = sum(_failed(v) for v in values)
         if failed:

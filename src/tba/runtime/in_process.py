@@ -1,6 +1,6 @@
 """One searcher inside the trainer process: the synchronous mode without Ray
 (`searchers.count=0`). Where it can, it samples with the trainer's own module
-(`tba.runtime.launch`): one copy of the policy on the device, and nothing copied at a sync."""
+(`tba.runtime.placement`): one copy of the policy on the device, and nothing copied at a sync."""
 
 from __future__ import annotations
 

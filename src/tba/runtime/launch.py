@@ -4,6 +4,10 @@
   sharding the policy with FSDP2 (`ray_trainer.RankedTrainer`).
 - The searchers: one inside this process (`searchers.count=0`), or `searchers.count` Ray actors.
 
+Their devices, the GPUs the searcher processes reserve, the GPUs a local Ray instance gets (not
+the trainer's) and whether the in-process searcher shares the trainer's module are
+`placement`'s decisions.
+
 Ray (a local instance or a cluster, `ray_cluster.ray_session`) lives as long as whatever uses it.
 """
 
@@ -16,8 +20,14 @@ from typing import Any
 
 from tba.config import RunConfig
 from tba.core import EventLogger, Task
-from tba.policy.model import load_policy, resolve_device
+from tba.policy.model import load_policy
 from tba.runtime.in_process import InProcessSearchers
+from tba.runtime.placement import (
+    local_ray_gpus,
+    searcher_device,
+    shares_trainer_model,
+    trainer_device,
+)
 from tba.runtime.pool import Searchers
 from tba.runtime.ray_cluster import ray_session
 from tba.runtime.ray_pool import RaySearchers
@@ -36,28 +46,18 @@ def open_trainer(
     stopped on exit."""
     if config.trainer.world_size == 1:
         model = load_policy(
-            str(policy_dir), resolve_device(config.policy.device), dtype=config.policy.dtype,
+            str(policy_dir), trainer_device(config), dtype=config.policy.dtype,
             lora=config.lora, gradient_checkpointing=config.train.gradient_checkpointing,
             quantization=config.quantization,
         )  # fmt: skip
         yield Trainer(model, **trainer_settings(config, pad_id, total_steps))
         return
-    with ray_session(config, lambda text: log_event("ray", message=text)):
+    with ray_session(config, lambda text: log_event("ray", message=text), local_ray_gpus(config)):
         trainer = RankedTrainer(config, policy_dir, pad_id, log_event, total_steps)
         try:
             yield trainer
         finally:
             trainer.close()
-
-
-def shares_trainer_model(config: RunConfig, trainer: Trainer | RankedTrainer) -> bool:
-    """Whether the in-process searcher can sample with the trainer's own module: the trainer is
-    in this process, on the searcher's device, and every generation comes right after a publish
-    (`train.sync_every=1`), so that the module then holds exactly the published version."""
-    if not isinstance(trainer, Trainer) or config.train.sync_every != 1:
-        return False
-    device = next(trainer.model.parameters()).device
-    return resolve_device(config.searchers.device) == device
 
 
 @contextmanager
@@ -74,11 +74,11 @@ def open_searchers(
     """The run's searchers, continuing a checkpoint's `state` (they take it before their first
     generation, so their processes start from it); with Ray, the Ray instance lives exactly as
     long as they do. A searcher in this process samples with `trainer`'s own module where that
-    gives the same samples (`shares_trainer_model`), else with its own copy."""
+    gives the same samples (`placement.shares_trainer_model`), else with its own copy."""
     if config.searchers.count == 0:
         shared = trainer is not None and shares_trainer_model(config, trainer)
         model = trainer.model if shared else load_policy(
-            str(policy_dir), resolve_device(config.searchers.device), dtype=config.policy.dtype,
+            str(policy_dir), searcher_device(config), dtype=config.policy.dtype,
             lora=config.lora, quantization=config.quantization,
         )  # fmt: skip
         searcher = Searcher(
@@ -93,7 +93,7 @@ def open_searchers(
         return
     # Searcher ledgers live in the run directory, which only processes on this machine can see.
     ledger_dir = run_dir / "searchers" if config.ray.address is None else None
-    with ray_session(config, lambda text: log_event("ray", message=text)):
+    with ray_session(config, lambda text: log_event("ray", message=text), local_ray_gpus(config)):
         searchers = RaySearchers(config, policy_dir, task, log_event, ledger_dir)
         if state:
             searchers.load_state_dict(state)

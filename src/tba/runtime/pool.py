@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from tba.core import Sample
+from tba.trainer import WeightVersions
 
 
 class Searchers(ABC):
@@ -27,6 +28,16 @@ class Searchers(ABC):
         """Make these the weights of the next generations: `version`, published at optimizer
         step `step` (`weights` None when they do not `needs_weights`: the trainer's module as it
         is now)."""
+
+    def publish_from(self, trainer: WeightVersions) -> None:
+        """The trainer's weights as a new version, offered to every searcher: as a copy
+        (`trainer.next_version()`), unless they sample with the trainer's own module. Searchers
+        with a faster way to the weights than a copy through host memory override it
+        (`tba.runtime.ray_pool`: shared buckets)."""
+        if self.needs_weights:
+            self.offer_weights(*trainer.next_version())
+        else:
+            self.offer_weights(None, *trainer.publish())
 
     @abstractmethod
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:

@@ -4,8 +4,11 @@ what it made whenever the trainer asks.
 The actor is threaded: the generation loop runs in its own thread, so `collect` and
 `offer_weights` answer at once even while a batch is being generated, and the trainer never waits
 on generation in flight. Weights are offered as an object-store reference and adopted between
-batches; new samples wait in an outbox until the trainer collects them. A full outbox pauses the
-loop, so memory stays bounded however slow the trainer is.
+batches; new samples wait in an outbox until the trainer collects them. On the trainer's machine
+the offer comes with the handles of the trainer's shared weight buckets (once), and the searcher
+copies the newest version out of them instead (`tba.runtime.weight_buckets`); where it cannot map
+them (another machine, another GPU), it says so in its reports and takes the object store's. A
+full outbox pauses the loop, so memory stays bounded however slow the trainer is.
 
 With a `ledger_path`, the actor records after every batch how many samples it has made and how
 far it is in its prompt stream, before the batch can be collected. The file outlives the process,
@@ -29,9 +32,10 @@ import torch
 from tba.config import LoraConfig, QuantizationConfig
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
-from tba.policy.model import load_policy, resolve_device
+from tba.policy.model import get_weights, load_policy, resolve_device
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
+from tba.runtime.weight_buckets import BucketReader, CannotAttach
 from tba.searcher import Searcher, SearchSettings
 
 
@@ -87,24 +91,35 @@ class SearcherActor:
         self._outbox: list[Sample] = []
         # (version, the optimizer step it was published at, ObjectRef of the weights)
         self._offer: tuple[int, int, object] | None = None
+        # The trainer's shared weight buckets: their handles until this searcher tries them,
+        # then the reader mapping them (None: the object store's path), and which path it took.
+        self._bucket_handles: dict | None = None
+        self._reader: BucketReader | None = None
+        self.weight_transfer: str | None = None  # "shared" or "object_store", once known
+        self.weight_transfer_why = ""
         self._counters: Counter[str] = Counter()
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def offer_weights(self, version: int, step: int, refs: list) -> None:
+    def offer_weights(
+        self, version: int, step: int, refs: list, buckets: dict | None = None
+    ) -> None:
         """Weights of `version`, published at optimizer step `step`, to adopt before the next
         batch (wrapped in a list so that Ray passes the reference instead of fetching the arrays
-        here)."""
+        here; [None] when they come only through the shared buckets). `buckets`: the handles of
+        the trainer's shared weight buckets, tried once before the next batch."""
         with self._lock:
+            if buckets is not None and self.weight_transfer is None:
+                self._bucket_handles = buckets
             if self._offer is None or version > self._offer[0]:
                 self._offer = (version, step, refs[0])
 
     def generate_batch(
-        self, num_prompts: int, version: int, step: int, refs: list
+        self, num_prompts: int, version: int, step: int, refs: list, buckets: dict | None = None
     ) -> tuple[list[Sample], dict[str, float]]:
         """Synchronous mode: one batch with the given weights, returned at once."""
-        self.offer_weights(version, step, refs)
+        self.offer_weights(version, step, refs, buckets)
         self._adopt_offered_weights()
         samples, stats = self.searcher.generate(num_prompts)
         self._write_ledger()
@@ -116,10 +131,11 @@ class SearcherActor:
         }
 
     def start(
-        self, prompts_per_batch: int, max_unsent: int, version: int, step: int, refs: list
-    ) -> None:
+        self, prompts_per_batch: int, max_unsent: int, version: int, step: int, refs: list,
+        buckets: dict | None = None,
+    ) -> None:  # fmt: skip
         """Asynchronous mode: generate until stopped, starting with the given weights."""
-        self.offer_weights(version, step, refs)
+        self.offer_weights(version, step, refs, buckets)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, args=(prompts_per_batch, max_unsent), daemon=True
@@ -145,6 +161,11 @@ class SearcherActor:
             **counters,
         }
 
+    def weights(self) -> tuple[int, dict]:
+        """The version this searcher holds and its weights, as `get_weights` gives them (to
+        check a hand-off)."""
+        return self.searcher.version, get_weights(self.searcher.policy)
+
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
@@ -159,18 +180,43 @@ class SearcherActor:
 
         with self._lock:
             offer, self._offer = self._offer, None
+            handles, self._bucket_handles = self._bucket_handles, None
+        if handles is not None:
+            self._attach(handles)
+        start = time.time()
+        if self._reader is not None:  # the newest whole version out of the shared buckets
+            copied = self._reader.copy_newest(newer_than=self.searcher.version)
+            if copied is not None:
+                self.searcher.weights_copied(*copied)
+                self._counters["sync_seconds"] += time.time() - start
+                self._counters["weight_updates"] += 1
+            return
         if offer is not None and offer[0] > self.searcher.version:
-            start = time.time()
             version, step, ref = offer
+            if ref is None:
+                raise RunError(
+                    f"weights of version {version} were offered only through the trainer's "
+                    f"shared buckets, which this searcher cannot map ({self.weight_transfer_why}"
+                    "); set searchers.weight_transfer=object_store"
+                )
             weights = ray.get(ref, timeout=self.weights_timeout_s)
             self.searcher.set_weights(weights, version, step)
             self._counters["sync_seconds"] += time.time() - start
             self._counters["weight_updates"] += 1
 
+    def _attach(self, handles: dict) -> None:
+        """Map the trainer's shared weight buckets, or note why not (the object store's path)."""
+        try:
+            self._reader = BucketReader(handles, self.searcher.policy, self.node)
+            self.weight_transfer, self.weight_transfer_why = "shared", ""
+        except CannotAttach as why:
+            self.weight_transfer, self.weight_transfer_why = "object_store", str(why)
+
     def _whereabouts(self) -> dict:
         engine_start = getattr(self.searcher.engine, "start_seconds", None)
         return {"pid": os.getpid(), "node": self.node, "nice": self.niceness,
-                "engine_start_seconds": engine_start}  # fmt: skip
+                "engine_start_seconds": engine_start, "weight_transfer": self.weight_transfer,
+                "weight_transfer_why": self.weight_transfer_why}  # fmt: skip
 
     def _loop(self, prompts_per_batch: int, max_unsent: int) -> None:
         normal_priority()  # this thread, and the torch threads it starts

@@ -2,7 +2,8 @@
 
 - **Local** (`ray.address` unset and no `RAY_ADDRESS`): a new instance for this run, always
   (a stale `/tmp/ray/ray_current_cluster` of an earlier cluster is not joined), on the loopback
-  interface only, without dashboard or usage reporting, with its workers at normal priority.
+  interface only, without dashboard or usage reporting, with its workers at normal priority,
+  and with the GPUs the run gives it (`gpus`: all but the one the trainer trains on here).
 - **A cluster** (`ray.address`, else the `RAY_ADDRESS` that Ray's own tools read): joined. On a
   loopback address the driver also stays on loopback. A cluster started where an auth token
   exists (`~/.ray/auth_token`, `RAY_AUTH_TOKEN`) checks tokens, and a driver sends its token only
@@ -19,8 +20,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,9 +45,13 @@ def is_loopback(address: str) -> bool:
 
 
 @contextmanager
-def ray_session(config: RunConfig, log=print) -> Iterator[None]:
+def ray_session(
+    config: RunConfig, log=print, gpus: tuple[int, str] | None = None
+) -> Iterator[None]:
     """Ray for the duration of a run: started (or joined) on entry, shut down on exit; inside
-    another `ray_session`, that one's."""
+    another `ray_session`, that one's. `gpus`: a local instance's GPUs, as (their number,
+    `CUDA_VISIBLE_DEVICES` for Ray's processes) (`placement.local_ray_gpus`; None: every GPU
+    Ray sees)."""
     address = cluster_address(config)
     # Set before Ray is imported, which reads some of them once.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -83,12 +90,16 @@ def ray_session(config: RunConfig, log=print) -> Iterator[None]:
         wanted = math.ceil(searchers.count * searchers.num_cpus + ranks * trainer.num_cpus)
         options["num_cpus"] = config.ray.num_cpus or max(os.cpu_count() or 1, wanted)
         options["address"] = "local"
+        if gpus is not None:
+            options["num_gpus"] = gpus[0]
     else:
         options["address"] = address
         source = "ray.address" if config.ray.address else "RAY_ADDRESS"
         log(f"joining the Ray cluster at {address} ({source})")
     try:
-        ray.init(**options)
+        visible = gpus[1] if address is None and gpus is not None else None
+        with _signal_handlers_kept(ray), _raylet_gpus(visible):
+            ray.init(**options)
     except ConnectionError as error:
         reason = first_line(error)
         raise RunError(
@@ -102,6 +113,51 @@ def ray_session(config: RunConfig, log=print) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@contextmanager
+def _raylet_gpus(visible: str | None) -> Iterator[None]:
+    """`CUDA_VISIBLE_DEVICES=visible` while Ray starts: its raylet, and through it every
+    worker, inherits this process's environment, and a worker maps the GPUs Ray assigns it
+    (numbered from 0) through that list, so the GPUs left out of it (the trainer's) never reach
+    a searcher. Restored at once: this process has already started CUDA (its trainer is
+    loaded before the searchers), and if not, it starts it with its own list."""
+    if visible is None:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+@contextmanager
+def _signal_handlers_kept(ray) -> Iterator[None]:
+    """`ray.init` replaces the main thread's SIGTERM handler with one that exits at once (a
+    `SystemExit` wherever the process is; in Ray's own waits, a C stack dump and status 134):
+    a process that handles SIGTERM itself (`tba.loop.stop_on_interrupt`) keeps its handlers,
+    during `ray.init` too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    utils = getattr(ray, "_private", None) and getattr(ray._private, "utils", None)
+    setter = getattr(utils, "set_sigterm_handler", None)
+    if callable(saved[signal.SIGTERM]) and setter is not None:
+        utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if setter is not None:
+            utils.set_sigterm_handler = setter
+        for number, handler in saved.items():
+            if callable(handler):
+                signal.signal(number, handler)
 
 
 def _reap_when_gone(ray) -> None:

