@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from tba.cli import main
 from tba.config import ConfigError, RunConfig, dump_config, load_config, reference_page
-from tba.loop import step_limit
+from tba.limits import step_limit
 
 
 @pytest.fixture

@@ -552,6 +552,15 @@ def test_a_first_use_trains_exactly_as_without_stored_values(tiny_model, tokeniz
         assert torch.equal(p, q)
 
 
+def test_a_separate_critic_trains_at_its_own_rate(tiny_model, tokenizer):
+    rates = {}
+    for critic_lr in (None, 3e-4):
+        ppo = trainer(tiny_model, tokenizer, loss="ppo",
+                      ppo={"value_model": "critic", "critic_lr": critic_lr})  # fmt: skip
+        rates[critic_lr] = [group["lr"] for group in ppo.critic.groups]
+    assert rates == {None: [1e-2, 1e-3], 3e-4: [3e-4, 1e-3]}  # [critic LM, head]
+
+
 def test_ppo_and_vineppo_are_in_the_registry():
     assert {"ppo", "vineppo"} <= set(OBJECTIVES)
 

@@ -25,7 +25,7 @@ from tba import TBAConfig, TBATrainer
 from tba.checkpoint import list_checkpoints
 from tba.cli import main
 from tba.errors import Interrupted, RewardError, RunError
-from tba.loop import stop_on_interrupt
+from tba.interrupts import stop_on_interrupt
 from tba.run_dir import (
     MOVING,
     REPLACED,

@@ -11,7 +11,7 @@ import pytest
 
 from tba import TBAConfig, TBATrainer
 from tba.config import load_config
-from tba.loop import limits_line, step_limit
+from tba.limits import limits_line, step_limit
 
 PROMPTS = 100  # training prompts; TRL's default batch takes one prompt a step
 

@@ -14,7 +14,7 @@ from transformers import BitsAndBytesConfig
 from tba import TBAConfig
 from tba.config import load_config
 from tba.errors import ConfigError
-from tba.loop import step_limit
+from tba.limits import step_limit
 from tba.trl_args import TRL_ARGUMENTS, TRL_DEFAULTS, Ignored, Mapped, Refused, reference_page
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -99,7 +99,7 @@ def env_overrides() -> list[str]:
 
 def with_env_overrides(data: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     """`data` (nested settings) with `TBA_OVERRIDES` applied, and the keys it set: it wins over
-    the script (a step limit there wins over the script's epochs by `loop.step_limit`'s rule)."""
+    the script (a step limit there wins over the script's epochs: `tba.limits.step_limit`)."""
     overrides = env_overrides()
     data = apply_overrides(data, overrides)
     return data, {override.partition("=")[0].strip() for override in overrides}

@@ -18,15 +18,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
-import os
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +40,7 @@ from tba.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from tba.config import ConfigError, RunConfig, TrainConfig, dump_config
+from tba.config import RunConfig, TrainConfig, dump_config
 from tba.core import Task
 from tba.errors import (
     CheckpointError,
@@ -55,6 +51,15 @@ from tba.errors import (
     writing,
 )
 from tba.evaluation import EvalFaults, EvalSettings
+from tba.interrupts import (
+    COMMAND_LINE,
+    Advice,
+    StopRequest,
+    going_on,
+    interrupted_line,
+    stop_on_interrupt,
+)
+from tba.limits import check_unfinished, limits_line, step_limit
 from tba.objectives import ROW_MEAN_GROUP_OBJECTIVES, BetaSchedule
 from tba.peak_memory import PeakMemory
 from tba.plots import plot_curves
@@ -74,7 +79,6 @@ from tba.run_dir import (
     create_run_dir,
     own_run_dir,
     read_metrics,
-    run_ended,
     save_snapshot,
     settle_replacement,
     truncate_metrics,
@@ -107,90 +111,10 @@ def trainer_threads(config: RunConfig) -> int | None:
     return config.policy.num_threads or FEEDS[config.train.mode].trainer_threads(config)
 
 
-class StopRequest(threading.Event):
-    """Set when the run is asked to stop after its current step; `signal` says by which signal.
-    The run notes here what it is doing, for the line that a signal ending it at once says
-    (`stop_on_interrupt`, `interrupted_line`)."""
-
-    signal: int | None = None
-    phase = "while starting"  # what the run was doing, in words
-    after_step = False  # in the training loop: a first signal stops the run after its step
-    aborting = False  # a signal stops the run at once
-    trained: int | None = None  # the step at which the loop reached its limit: the final
-    # evaluation and save are left
-    run_dir: Path | None = None
-    replacement: Replacement | None = None  # the run this one replaces, set aside until then
-    holding = False  # a moment not to cut short (`hold`): a signal waits for its end
-    held: int | None = None  # the signal that waits
-
-    def hold(self) -> None:
-        """From now until `release`, a signal waits: Ray stopping its processes and shutting
-        down must not be cut short by an exception raised inside it (the process can crash)."""
-        self.holding = True
-
-    def release(self) -> None:
-        """The end of `hold`: a signal that came meanwhile is handled now, as it would have been
-        then."""
-        self.holding = False
-        if self.held is not None:
-            signum, self.held = self.held, None
-            signal.raise_signal(signum)
-
-
-# Ctrl-C, and what `timeout`, Docker, Kubernetes and SLURM send before they kill a process.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextmanager
-def stop_on_interrupt() -> Iterator[StopRequest]:
-    """Ctrl-C and SIGTERM for a whole run, from its start to its end. In the training loop the
-    first one asks the loop to stop after the current step (the run is then checkpointed,
-    evaluated and saved); anywhere else (the start, the evaluations, the saves), or a second
-    time, the run stops at once: a `KeyboardInterrupt` (what Ray's waits raise for one too) that
-    closes the searchers and shuts Ray down on its way out, and that `train` turns into one line
-    (`Interrupted`). A signal during that way out ends the process there."""
-    stop = StopRequest()
-
-    def handler(signum, frame) -> None:
-        if stop.aborting:  # the way out is stuck, or the user will not wait for it
-            os.write(2, f"tba: interrupted again by {signal.Signals(signum).name}: exiting at "
-                        "once\n".encode())  # fmt: skip
-            os._exit(128 + signum)
-        if stop.holding:
-            stop.held = signum
-            return
-        stop.signal = signum
-        if stop.after_step and not stop.is_set():
-            stop.set()
-            return
-        stop.aborting = True
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield stop  # signals only reach the main thread
-        return
-    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
-    try:
-        yield stop
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)
-
-
-@dataclass(frozen=True)
-class Advice:
-    """How the user goes on, in the caller's words (the command line's by default): `resume`
-    continues or finishes the run in {path}; `keep` keeps a run in output_dir instead of
-    replacing it."""
-
-    resume: str = "`tba train --resume {path}`"
-    keep: str = "without --overwrite it is kept"
-
-
 def train(
     config: RunConfig, console: Console | None = None, *, resume: bool = False,
     overwrite: bool = False, task: Task | None = None,
-    save_policy: Callable[[Path], None] | None = None, advice: Advice = Advice(),
+    save_policy: Callable[[Path], None] | None = None, advice: Advice = COMMAND_LINE,
 ) -> Path:  # fmt: skip
     """Train as `config` says, in `config.output_dir`; `resume`: continue the run there from its
     newest checkpoint (or, when it reached its limit but its end was not saved, evaluate and save
@@ -214,27 +138,6 @@ def train(
                 raise
             signum = stop.signal or signal.SIGINT
             raise Interrupted(interrupted_line(stop, signum, advice), signum) from None
-
-
-def interrupted_line(stop: StopRequest, signum: int, advice: Advice) -> str:
-    """What a run stopped at once by a signal says: when, what it keeps, how to go on."""
-    return f"by {signal.Signals(signum).name} {stop.phase}; {going_on(stop, advice)}"
-
-
-def going_on(stop: StopRequest, advice: Advice) -> str:
-    """What a run that stopped before its end keeps, and how to finish it (`stop`: what it was
-    doing; the run directory, after whatever it restored on its way out)."""
-    replacement, run_dir = stop.replacement, stop.run_dir
-    if replacement is not None and replacement.restored:
-        return f"this run had no checkpoint yet: {replacement.what} is kept, as it was"
-    checkpoints = list_checkpoints(run_dir) if run_dir is not None else []
-    if not checkpoints:
-        return "the run had no checkpoint yet: nothing to resume; start it again"
-    resume, newest = advice.resume.format(path=run_dir), checkpoints[-1].name
-    if stop.trained is not None and newest == f"step{stop.trained:06d}":
-        return (f"its training is complete and checkpointed ({newest}): {resume} evaluates and "
-                "saves it, without training")  # fmt: skip
-    return f"{resume} continues it from its newest checkpoint, {newest}"
 
 
 def _train(
@@ -658,79 +561,12 @@ class TrainLoop:
         }
 
 
-def check_unfinished(
-    run_dir: Path, checkpoint: Checkpoint, config: RunConfig, num_prompts: int,
-    log: Callable[[str], None] = print,
-) -> bool:  # fmt: skip
-    """Whether a resumed run has only its end left: it reached its limit, but its final
-    evaluation and save were cut short (a kill, a full disk); `log` says it is evaluated and saved
-    without training. A run that ended at its limit, resumed with that same limit, would train
-    nothing and be evaluated again: one line saying which limit it reached and how to go further.
-    A run that stopped before its limit (interrupted, or failed after its last checkpoint) goes
-    on."""
-    tc, step = config.train, checkpoint.step
-    last = step_limit(tc, num_prompts)
-    minutes = checkpoint.state["loop"]["elapsed"] / 60
-    if last is not None and step >= last:
-        key = step_limit_key(tc)
-        value = tc.max_steps if key == "train.max_steps" else tc.num_epochs
-        reached = f"{key}={value:g} (step {step})"
-    elif tc.max_minutes is not None and minutes >= tc.max_minutes:
-        key, value = "train.max_minutes", tc.max_minutes
-        reached = f"{key}={value:g} ({minutes:.1f} minutes)"
-    else:
-        return False
-    if not run_ended(run_dir):
-        log(f"run {run_dir} reached its limit, {reached}, but its end was not saved: evaluating "
-            "and saving it, without training")  # fmt: skip
-        return True
-    raise ConfigError(f"run {run_dir} already reached its limit, {reached}: to train it further, "
-                      f"resume with a higher {key}, e.g. `tba train --resume {run_dir} "
-                      f"{key}={2 * value:g}`")  # fmt: skip
-
-
 def whole_generation_groups(train: TrainConfig) -> bool:
     """Whether a fresh group's statistics take in the samples of its generation that the step
     does not train on (`train.group_baseline=generation`, with S > K, for an objective with
     group statistics)."""
     return (train.group_baseline == "generation" and train.loss in ROW_MEAN_GROUP_OBJECTIVES
             and (train.samples_per_prompt or train.group_size) > train.group_size)  # fmt: skip
-
-
-def step_limit(train: TrainConfig, num_prompts: int) -> int | None:
-    """The run's last optimizer step, by TRL's rule: `train.max_steps` when it is given, whatever
-    `train.num_epochs` says; else, with `train.num_epochs`, that many passes over the
-    `num_prompts` training prompts, `train.num_prompts` groups per step (a group is `group_size`
-    of the `samples_per_prompt` completions of its prompt); else None (the run ends by time)."""
-    if train.max_steps is not None or train.num_epochs is None:
-        return train.max_steps
-    per_step = train.num_prompts * train.group_size / (train.samples_per_prompt or train.group_size)
-    return max(1, math.ceil(train.num_epochs * num_prompts / per_step))
-
-
-def step_limit_key(train: TrainConfig) -> str | None:
-    """The setting `step_limit` reads: `train.max_steps`, `train.num_epochs` or None."""
-    if train.max_steps is not None:
-        return "train.max_steps"
-    return None if train.num_epochs is None else "train.num_epochs"
-
-
-def limits_line(train: TrainConfig, num_prompts: int) -> str:
-    """The run's limits as they apply, for the start of a run: e.g. `stops at step 3
-    (train.max_steps; train.num_epochs=3 ignored) or after 10 minutes, whichever comes first`."""
-    last, key = step_limit(train, num_prompts), step_limit_key(train)
-    parts = []
-    if key == "train.max_steps":
-        epochs = train.num_epochs
-        ignored = "" if epochs is None else f"; train.num_epochs={epochs:g} ignored"
-        parts.append(f"at step {last} (train.max_steps{ignored})")
-    elif key == "train.num_epochs":
-        parts.append(f"at step {last} (train.num_epochs={train.num_epochs:g} over {num_prompts} "
-                     "training prompts)")  # fmt: skip
-    if train.max_minutes is not None:
-        parts.append(f"after {train.max_minutes:g} minutes")
-    whichever = ", whichever comes first" if len(parts) > 1 else ""
-    return "stops " + " or ".join(parts) + whichever + " (or at Ctrl-C)"
 
 
 def save_results(

@@ -7,12 +7,13 @@ the objective in `tba.objectives.OBJECTIVES`, and the objective reads its own se
 same section (`LossInputs.settings`). The trainer never tests the objective's name: it provides
 what the objective's `Needs` ask for. A `critic` (PPO) is learned with the policy
 (`tba.policy.values.Critic`: a value head on the policy's last hidden state, or a separate critic
-LM, as `train.ppo` sets); `learned_log_z` (TB) with `train.tb.log_z=learned` learns log Z(x) with
-the policy (`LearnedLogZ`); `token_ref_logp` (PPO, VinePPO) passes the samples' per-token
-reference log-probs; `group_statistics` lets context samples join their groups. `baseline_kl`
-picks the log-probs in the baselines' KL-shaped reward: the `current` policy's (then RLOO's
-gradient is TB's) or the `behaviour` policy's, fixed when the sample was drawn (as in TRL's
-RLOO).
+LM, as `train.ppo` sets), and each sample's values at its first use are stored with it
+(`Sample.old_values`, PPO's V_old) for its later uses; `learned_log_z` (TB) with
+`train.tb.log_z=learned` learns log Z(x) with the policy (`LearnedLogZ`); `token_ref_logp`
+(PPO, VinePPO) passes the samples' per-token reference log-probs; `group_statistics` lets
+context samples join their groups. `baseline_kl` picks the log-probs in the baselines'
+KL-shaped reward: the `current` policy's (then RLOO's gradient is TB's) or the `behaviour`
+policy's, fixed when the sample was drawn (as in TRL's RLOO).
 
 A group can be part of what its generation made (S > K): with `train.group_baseline=generation`
 the others (`Batch.context`) join it in the loss with detached log-probs, so that its log Z or
@@ -203,12 +204,15 @@ class Trainer(WeightVersions):
         if self.log_z_head is not None:
             groups.append({"params": list(self.log_z_head.parameters()),
                            "lr": settings.tb.log_z_lr})  # fmt: skip
-        # PPO's critic: its head at its own rate, a separate critic LM at the policy's.
+        # PPO's critic: its head at its own rate, a separate critic LM at `critic_lr` (by
+        # default the policy's).
         self.critic = None
         if needs.critic:
+            critic_lr = settings.ppo.critic_lr
             self.critic = Critic(model, separate=settings.ppo.value_model == "critic",
                                  head_lr=settings.ppo.value_lr,
-                                 trunk_lr=settings.learning_rate)  # fmt: skip
+                                 trunk_lr=settings.learning_rate if critic_lr is None
+                                 else critic_lr)  # fmt: skip
             groups += self.critic.groups
         # Adam (AdamW: weight decay decoupled from the gradient's moments, and only where a
         # group asks for it): torch's, or bitsandbytes' with 8-bit moments (train.optimizer).

@@ -140,7 +140,7 @@ def _raylet_gpus(visible: str | None) -> Iterator[None]:
 def _signal_handlers_kept(ray) -> Iterator[None]:
     """`ray.init` replaces the main thread's SIGTERM handler with one that exits at once (a
     `SystemExit` wherever the process is; in Ray's own waits, a C stack dump and status 134):
-    a process that handles SIGTERM itself (`tba.loop.stop_on_interrupt`) keeps its handlers,
+    a process that handles SIGTERM itself (`tba.interrupts.stop_on_interrupt`) keeps its handlers,
     during `ray.init` too."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -48,7 +48,7 @@ def cpu(value: Any) -> dict[str, Any]:
 
 def max_steps(value: Any) -> dict[str, Any]:
     """TRL's -1 means: no step limit (the epochs decide). A step limit replaces tba's default
-    time limit; that it also wins over the epochs is the run's rule (`tba.loop.step_limit`)."""
+    time limit; that it also wins over the epochs is the run's rule (`tba.limits.step_limit`)."""
     if value is None or value < 0:
         return {}
     return {"train.max_steps": value, "train.max_minutes": None}
