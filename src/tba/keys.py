@@ -7,6 +7,8 @@ from typing import Any
 
 from tba.errors import ConfigError
 
+_MISSING = object()  # what `get_key` returns for a key not given, whatever the values
+
 
 class NotASection(ConfigError):
     """A dotted key runs through a value, not a mapping of settings: `section` is the dotted
@@ -29,12 +31,7 @@ def get_key(data: dict[str, Any], dotted: str, default: Any = None) -> Any:
 
 def has_key(data: dict[str, Any], dotted: str) -> bool:
     """Whether `dotted` is given in `data` (a value of None included)."""
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
+    return get_key(data, dotted, _MISSING) is not _MISSING
 
 
 def set_key(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from tba.config import RunConfig, VinePPOSettings
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
 from tba.objectives import OBJECTIVES
+from tba.policy.decoding import evaluating
 from tba.policy.engines import BuiltinEngine, Engine, VllmEngine, VllmSettings
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
@@ -81,17 +81,6 @@ class SearchSettings:
             token_ref_logps=needs.token_ref_logp,
             vine=tc.vineppo if needs.step_values else None,
         )
-
-
-@contextlib.contextmanager
-def evaluation_mode(model: torch.nn.Module) -> Iterator[None]:
-    """`model` in evaluation mode inside, in the mode it was in after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class PromptStream:
@@ -210,7 +199,7 @@ class Searcher:
         s = self.settings
         row_ids = [i for i in self.stream.take(num_prompts) for _ in range(s.samples_per_prompt)]
         prompts = [self.prompt_ids[i] for i in row_ids]
-        with evaluation_mode(self.policy):  # a shared trainer's module is in training mode
+        with evaluating(self.policy):  # a shared trainer's module is in training mode
             out = self.engine.generate(prompts, max_new_tokens=s.max_new_tokens,
                                        temperature=s.sample_temperature or s.temperature)
             completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
