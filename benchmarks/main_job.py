@@ -9,6 +9,7 @@ fresh samples consumed.
 
     python -m benchmarks.main_job --seeds 3 --out runs/main_job          # 3 x ~11 minutes
     python -m benchmarks.main_job --report runs/main_job                  # tables and plot only
+    python -m benchmarks.main_job --seeds 3 --out runs/main_job_8bit train.optimizer=adamw_8bit
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from tba.run_dir import read_metrics
 METRIC = "eval_pass@1"
 
 
-def run_seed(out: Path, seed: int) -> Path:
+def run_seed(out: Path, seed: int, overrides: list[str]) -> Path:
     run_dir = out / f"seed{seed}"
     if (run_dir / "eval.json").exists():
         return run_dir  # finished in an earlier invocation
     command = [sys.executable, "-m", "tba.cli", "train", f"seed={seed}", f"output_dir={run_dir}",
-               "--overwrite"]  # fmt: skip
+               *overrides, "--overwrite"]  # fmt: skip
     with (out / f"seed{seed}.log").open("w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
     return run_dir
@@ -56,10 +57,11 @@ def largest_late_drop(points: list[Point]) -> float:
     return max([0.0, *(a - b for a, b in zip(late, late[1:]))])
 
 
-def report(run_dirs: list[Path], out: Path) -> None:
+def report(run_dirs: list[Path], out: Path, overrides: list[str]) -> None:
     runs = [curve(run_dir) for run_dir in run_dirs]
     summaries = [json.loads((run_dir / "eval.json").read_text()) for run_dir in run_dirs]
-    print(f"`tba train seed=S`, held-out greedy pass@1 as the run measures it; {len(runs)} seeds\n")
+    job = " ".join(["tba train seed=S", *overrides])
+    print(f"`{job}`, held-out greedy pass@1 as the run measures it; {len(runs)} seeds\n")
     print("| seed | start | after the run | gain | minutes | steps | largest late drop | "
           "samples/s |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -83,7 +85,7 @@ def report(run_dirs: list[Path], out: Path) -> None:
                                     zip(together.mean[::2], together.std[::2])) + " |")  # fmt: skip
     band = Band(f"tba train ({len(runs)} seeds)", together.grid, together.samples, together.mean,
                 together.std)  # fmt: skip
-    plot_bands([band], out / "main_job.png", title="tba train, the default job, over seeds")
+    plot_bands([band], out / "main_job.png", title=f"{job}, over seeds")
     print(f"\nplot: {out / 'main_job.png'}")
 
 
@@ -93,13 +95,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/main_job"))
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="run nothing: the tables and plot of the seeds in DIR")  # fmt: skip
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="settings added to every seed's command (the default job has none)")
     args = parser.parse_args()
     if args.report:
-        report(sorted(p.parent for p in args.report.glob("seed*/eval.json")), args.report)
+        report(sorted(p.parent for p in args.report.glob("seed*/eval.json")), args.report,
+               args.overrides)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    run_dirs = [run_seed(args.out, seed) for seed in range(args.seeds)]
-    report(run_dirs, args.out)
+    run_dirs = [run_seed(args.out, seed, args.overrides) for seed in range(args.seeds)]
+    report(run_dirs, args.out, args.overrides)
 
 
 if __name__ == "__main__":
