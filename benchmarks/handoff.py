@@ -8,6 +8,10 @@ weights.
 - `shared`: a copy of the model into the trainer's shared buckets on its device
   (`tba.runtime.weight_buckets`; shared memory on a CPU, CUDA IPC on a GPU), then the searcher's
   copy out of them into its model.
+- `broadcast`: the same copy into the buckets, then their broadcast to the searcher's group
+  (`tba.runtime.weight_broadcast`; gloo on a CPU, NCCL between GPUs) into its staging buckets,
+  and its copy into its model: the path for searchers on other GPUs and machines, measured here
+  on one.
 
 The searcher is a real `SearcherActor` in a local Ray instance, on the trainer's device (a share
 of the trainer's GPU where there is one); each hand-off is timed from the start of the publish to
@@ -36,10 +40,11 @@ from tba.policy.model import build_tiny_llama, get_weights, resolve_device
 from tba.policy.tokenizer import build_char_tokenizer
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_cluster import ray_session
+from tba.runtime.weight_broadcast import BroadcastHub
 from tba.runtime.weight_buckets import WeightBuckets
 from tba.searcher import SearchSettings
 
-PATHS = ("object_store", "shared")
+PATHS = ("object_store", "shared", "broadcast")
 
 
 def build(shape: str, small: bool, device: torch.device) -> tuple[torch.nn.Module, str]:
@@ -63,7 +68,7 @@ def adopt(actor) -> int:
     """Have the searcher adopt what it was offered now (as before its next batch); its version."""
 
     def now(self) -> int:
-        self._adopt_offered_weights()
+        self._adopt_offered_weights(exact=True)
         return self.searcher.version
 
     return ray.get(actor.__ray_call__.remote(now))
@@ -74,8 +79,12 @@ def measure(path: str, model: torch.nn.Module, actor, repeats: int) -> dict[str,
     searcher's adoption, and publish to adopted."""
     blocking, adopting, total = [], [], []
     buckets = WeightBuckets(model, node=ray.get_runtime_context().get_node_id()) \
-        if path == "shared" else None  # fmt: skip
+        if path != "object_store" else None  # fmt: skip
     handles = buckets.handles() if buckets else None
+    hub = None
+    if path == "broadcast":
+        hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=600)
+        handles |= {"broadcast": hub.handles(), "only": "broadcast"}
     version = ray.get(actor.__ray_call__.remote(lambda self: self.searcher.version))
     try:
         for _ in range(repeats):
@@ -83,6 +92,8 @@ def measure(path: str, model: torch.nn.Module, actor, repeats: int) -> dict[str,
             start = time.perf_counter()
             if buckets is not None:
                 buckets.publish(version, step=version)
+                if hub is not None:
+                    hub.published()
                 ref = None
             else:
                 ref = ray.put(get_weights(model))
@@ -96,8 +107,10 @@ def measure(path: str, model: torch.nn.Module, actor, repeats: int) -> dict[str,
             adopting.append(done - published)
             total.append(done - start)
         transfer = ray.get(actor.__ray_call__.remote(lambda self: self.weight_transfer))
-        assert transfer == ("shared" if buckets is not None else None), transfer
+        assert transfer == (path if buckets is not None else None), transfer
     finally:
+        if hub is not None:
+            hub.close()
         if buckets is not None:
             buckets.close()
     return {"blocking_s": statistics.median(blocking), "adopt_s": statistics.median(adopting),

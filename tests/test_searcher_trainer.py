@@ -65,6 +65,46 @@ def test_generate_tags_samples_and_matches_reference_at_version_zero(tiny_model,
     assert stats["gen_tokens"] == sum(len(s.response_ids) for s in samples)
 
 
+def test_reference_scoring_never_exceeds_the_trainers_micro_batch(tiny_model, tokenizer,
+                                                                  monkeypatch):  # fmt: skip
+    """With `train.micro_batch_groups` = 1 (groups of 3), the searcher scores the reference in
+    passes of 3 samples, and gets what one pass over the whole batch gets."""
+    import tba.searcher
+
+    config = RunConfig.model_validate({"train": {"micro_batch_groups": 1, "group_size": 3}})
+    assert SearchSettings.from_config(config).score_batch == 3
+    assert SearchSettings.from_config(RunConfig()).score_batch is None
+    sizes: list[int] = []
+
+    def counted(model, prompts, responses, **kwargs):
+        sizes.append(len(prompts))
+        return token_logprobs(model, prompts, responses, **kwargs)
+
+    monkeypatch.setattr(tba.searcher, "token_logprobs", counted)
+    passes = {}
+    for score_batch in (None, 3):
+        scoring = settings(score_batch=score_batch, token_ref_logps=True)
+        searcher = Searcher(tiny_model, tokenizer, ROWS, [always_one], scoring, seed=0)
+        sizes.clear()
+        samples, _ = searcher.generate(num_prompts=4)
+        passes[score_batch] = (list(sizes), samples)
+    assert passes[None][0] == [12] and passes[3][0] == [3, 3, 3, 3]
+    for whole, parted in zip(passes[None][1], passes[3][1]):
+        assert parted.ref_logp == pytest.approx(whole.ref_logp, abs=1e-5)
+        assert parted.ref_token_logps == pytest.approx(whole.ref_token_logps, abs=1e-5)
+
+
+def test_gradient_checkpointing_auto_is_on_a_gpu_only():
+    from tba.policy.model import checkpointing_wanted
+
+    assert TrainConfig().gradient_checkpointing == "auto"
+    assert checkpointing_wanted("auto", torch.device("cuda")) is True
+    assert checkpointing_wanted("auto", "cuda:1") is True
+    assert checkpointing_wanted("auto", "cpu") is False
+    assert checkpointing_wanted(True, "cpu") is True
+    assert checkpointing_wanted(False, "cuda") is False
+
+
 def test_an_exploration_temperature_changes_the_sampler_not_the_reference(tiny_model, tokenizer):
     searcher = Searcher(
         tiny_model, tokenizer, ROWS, [always_one], settings(sample_temperature=2.0), seed=0

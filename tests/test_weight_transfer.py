@@ -1,11 +1,13 @@
-"""The weight hand-off through shared buckets (`tba.runtime.weight_buckets`): packing bit-exact,
-LoRA's adapters alone, one whole version per generation, and (slow, with Ray) searcher actors
-that hold the trainer's weights after every publish, sample what those weights sample, and get
-them again after a restart."""
+"""The weight hand-off through shared buckets (`tba.runtime.weight_buckets`) and their broadcast
+(`tba.runtime.weight_broadcast`, over gloo here): packing bit-exact, LoRA's adapters alone, one
+whole version per generation, a searcher joining late or dying, and (slow, with Ray) searcher
+actors that hold the trainer's weights after every publish, sample what those weights sample,
+and get them again after a restart."""
 
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import threading
 import time
 
@@ -15,6 +17,7 @@ import torch
 
 from tba.config import LoraConfig, load_config
 from tba.policy.model import add_lora, get_weights, published_state, set_weights
+from tba.runtime.weight_broadcast import BroadcastHub, BroadcastReceiver
 from tba.runtime.weight_buckets import (
     BucketReader,
     CannotAttach,
@@ -263,10 +266,114 @@ def test_an_offer_only_through_buckets_it_cannot_map_fails_clearly(tmp_path, tin
     worker.node = "elsewhere"
     try:
         buckets.publish(1, step=0)
-        with pytest.raises(Exception, match="cannot map.*another Ray node.*object_store"):
+        with pytest.raises(Exception, match="cannot use.*another Ray node.*object_store"):
             worker.generate_batch(1, 1, 0, [None], buckets.handles())
         assert worker.weight_transfer == "object_store"
     finally:
+        buckets.close()
+
+
+# ---------------------------------------------------------------- the broadcast group (gloo)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "lora"])
+def test_a_searcher_in_the_broadcast_group_holds_each_publish_bit_exact(tiny_model, kind):
+    searcher_model = type(tiny_model)(tiny_model.config).eval()
+    trainer_model = tiny_model
+    if kind == "bfloat16":
+        trainer_model, searcher_model = tiny_model.bfloat16(), searcher_model.bfloat16()
+    if kind == "lora":
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        trainer_model, searcher_model = add_lora(tiny_model, lora), add_lora(searcher_model, lora)
+    buckets = WeightBuckets(trainer_model)
+    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    try:
+        receiver = BroadcastReceiver(hub.handles(), searcher_model, "s0", join_timeout_s=30)
+        assert receiver.joined.wait(30)
+        assert receiver.copy_newest(newer_than=-1) is None  # nothing published yet
+        for version in (1, 2, 3):
+            perturb(trainer_model, seed=version)
+            buckets.publish(version, step=10 * version)
+            hub.published()
+            copied = receiver.copy_newest(newer_than=version - 1, wait_for=version, timeout_s=30)
+            assert copied == (version, 10 * version)
+            assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
+        # What travels is exactly the buckets: bf16 as bf16, with LoRA the adapters alone.
+        staged = {d: t.dtype for d, t in receiver._staging.items()}
+        assert staged == {d: t.dtype for d, t in buckets.sets[0].items()}
+        assert sum(t.numel() * t.element_size() for t in receiver._staging.values()) \
+            == buckets.nbytes  # fmt: skip
+        assert hub.sent == {"s0": 3} and hub.take_lost() == []
+    finally:
+        hub.close()
+        buckets.close()
+
+
+def join_and_wait(handles, config, ready) -> None:
+    """A searcher process that joins the group, says so, and waits to be killed."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config)
+    receiver = BroadcastReceiver(handles, model, "doomed", join_timeout_s=30)
+    receiver.copy_newest(newer_than=-1, wait_for=1, timeout_s=30)
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_dead_searcher_stalls_no_one_and_a_late_one_gets_the_current_weights(tiny_model):
+    """One searcher process joins and is killed; the trainer goes on publishing to another, and
+    a searcher joining later is sent the newest version at once, with no new publish."""
+    buckets = WeightBuckets(tiny_model)
+    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=join_and_wait, args=(hub.handles(), tiny_model.config, ready))
+    try:
+        buckets.publish(1, step=1)
+        hub.published()
+        process.start()
+        live_model = type(tiny_model)(tiny_model.config).eval()
+        live = BroadcastReceiver(hub.handles(), live_model, "live", join_timeout_s=30)
+        assert ready.wait(60) and live.copy_newest(-1, wait_for=1, timeout_s=30) == (1, 1)
+        process.kill()
+        process.join(10)
+        for version in (2, 3):
+            perturb(tiny_model, seed=version)
+            buckets.publish(version, step=version, timeout_s=30)
+            hub.published()
+            assert live.copy_newest(version - 1, wait_for=version, timeout_s=30) == (version,
+                                                                                     version)
+        assert_same_weights(get_weights(live_model), get_weights(tiny_model))
+        deadline = time.time() + 10
+        while not hub.lost and time.time() < deadline:
+            time.sleep(0.05)
+        assert [name for name, _ in hub.take_lost()] == ["doomed"]
+        late_model = type(tiny_model)(tiny_model.config).eval()
+        late = BroadcastReceiver(hub.handles(), late_model, "late", join_timeout_s=30)
+        assert late.copy_newest(-1, wait_for=3, timeout_s=30) == (3, 3)
+        assert_same_weights(get_weights(late_model), get_weights(tiny_model))
+    finally:
+        if process.is_alive():
+            process.kill()
+        hub.close()
+        buckets.close()
+
+
+def test_a_searcher_that_cannot_join_says_why(tiny_model):
+    buckets = WeightBuckets(tiny_model)
+    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    try:
+        handles = hub.handles() | {"port": 1}  # nobody serves there
+        receiver = BroadcastReceiver(handles, type(tiny_model)(tiny_model.config), "lost",
+                                     join_timeout_s=1)  # fmt: skip
+        with pytest.raises(RuntimeError, match="the trainer's broadcast group"):
+            receiver.copy_newest(-1, wait_for=1, timeout_s=30)
+        other = type(tiny_model)(tiny_model.config.__class__(
+            **(tiny_model.config.to_dict() | {"num_hidden_layers": 1})))  # fmt: skip
+        with pytest.raises(CannotAttach, match="laid out unlike"):
+            BroadcastReceiver(hub.handles(), other, "other", join_timeout_s=1)
+    finally:
+        hub.close()
         buckets.close()
 
 
@@ -274,14 +381,14 @@ def test_an_offer_only_through_buckets_it_cannot_map_fails_clearly(tmp_path, tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transfer", ["auto", "object_store"])
+@pytest.mark.parametrize("transfer", ["auto", "broadcast", "object_store"])
 def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoins(
     tmp_path, policy_dir, tokenizer, transfer
 ):
     """Two searcher actors beside a trainer: after every publish (through the shared buckets,
-    which `auto` takes here, or the object store) each holds the trainer's weights bit for bit
-    and samples exactly what a fresh searcher with those weights samples; one killed is replaced
-    and gets the current weights."""
+    which `auto` takes here, their broadcast over gloo, or the object store) each holds the
+    trainer's weights bit for bit and samples exactly what a fresh searcher with those weights
+    samples; one killed is replaced and gets the current weights."""
     import ray
 
     from tba.core import Task
@@ -296,8 +403,8 @@ def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoi
         "train.num_prompts=2", "train.group_size=2", "policy.max_new_tokens=4",
         "searchers.max_restarts=1", f"searchers.weight_transfer={transfer}",
     ])  # fmt: skip
-    shared = transfer == "auto"
-    path = "shared" if shared else "object_store"
+    shared = transfer != "object_store"  # no copy in the object store
+    path = {"auto": "shared", "broadcast": "broadcast", "object_store": "object_store"}[transfer]
     def constant(prompts, completions, **columns):  # (a closure: Ray pickles it by value)
         return [1.0] * len(completions)
 
@@ -334,7 +441,8 @@ def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoi
                 assert [s.behaviour_logp for s in theirs] == [s.behaviour_logp for s in mine]
             assert [s.transfer for s in searchers.slots] == [path if shared else None] * 2
             assert [f["path"] for kind, f in events if kind == "weight_transfer"] == [path]
-            # Kill searcher 1: the next generation replaces it, and it maps the buckets again.
+            # Kill searcher 1: the next generation replaces it, and it maps the buckets (or joins
+            # the broadcast) again.
             ray.kill(searchers.slots[1].handle)
             perturb(trainer.model, seed=9)
             searchers.publish_from(trainer)

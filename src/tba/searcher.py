@@ -54,6 +54,9 @@ class SearchSettings:
     # samples' behaviour log-probs are the sampler's, at this temperature.
     sample_temperature: float | None = None
     token_ref_logps: bool = False  # keep each response token's reference log-prob
+    # Samples per reference-scoring pass: the trainer's micro-batch, so that no no-grad pass
+    # holds more activations than a train pass does (None: the whole batch, as the trainer).
+    score_batch: int | None = None
     vine: VinePPOSettings | None = None  # Monte Carlo values of step prefixes (VinePPO's)
 
     @classmethod
@@ -80,6 +83,7 @@ class SearchSettings:
             max_steps=tc.max_steps or 0,  # 0: no step limit, as in TRL's TrainerState
             token_ref_logps=needs.token_ref_logp,
             vine=tc.vineppo if needs.step_values else None,
+            score_batch=tc.micro_batch_groups * tc.group_size if tc.micro_batch_groups else None,
         )
 
 
@@ -300,16 +304,21 @@ class Searcher:
             reference, adapters_off = self.reference, contextlib.nullcontext()
         else:
             reference, adapters_off = self.policy, self.policy.disable_adapter()
+        size = self.settings.score_batch or len(prompts)
+        sums: list[float] = []
+        rows: list[list[float]] = []
         with adapters_off:
-            token_logps, mask = token_logprobs(
-                reference, prompts, responses, pad_id=self.tokenizer.pad_token_id,
-                temperature=self.settings.temperature,
-            )  # fmt: skip
-        token_logps = token_logps * mask
-        sums = token_logps.sum(-1).tolist()
+            for start in range(0, len(prompts), size):  # the trainer's micro-batches
+                token_logps, mask = token_logprobs(
+                    reference, prompts[start : start + size], responses[start : start + size],
+                    pad_id=self.tokenizer.pad_token_id, temperature=self.settings.temperature,
+                )  # fmt: skip
+                token_logps = token_logps * mask
+                sums += token_logps.sum(-1).tolist()
+                if self.settings.token_ref_logps:
+                    rows += token_logps.tolist()
         if not self.settings.token_ref_logps:
             return sums, None
-        rows = token_logps.tolist()
         return sums, [row[: len(response)] for row, response in zip(rows, responses)]
 
     def _rollout_rewards(

@@ -106,12 +106,14 @@ class SearchersConfig(Section):
         None, ge=1, description="torch CPU threads per searcher (default: num_cpus, at least 1)"
     )
     device: Device = Field("auto", description="searcher device, as policy.device")
-    weight_transfer: Literal["auto", "shared", "object_store"] = Field(
+    weight_transfer: Literal["auto", "shared", "broadcast", "object_store"] = Field(
         "auto", description="how published weights reach the searcher processes: `shared` "
         "(flat per-dtype buckets on the trainer's device, which searchers on its machine map "
-        "once and copy from: shared memory on a CPU, CUDA IPC on the same GPU), "
-        "`object_store` (a copy through host memory and Ray's object store, for any machine), "
-        "or `auto` (shared wherever a searcher can map the buckets, else the object store)",
+        "once and copy from: shared memory on a CPU, CUDA IPC on the same GPU), `broadcast` "
+        "(the same buckets sent by torch.distributed, NCCL between GPUs and gloo otherwise, in "
+        "a group of the trainer and each searcher, for other GPUs and machines), "
+        "`object_store` (a copy through host memory and Ray's object store), or `auto` (shared "
+        "wherever a searcher can map the buckets, else broadcast)",
     )
     max_restarts: int = Field(
         5, ge=0, description="restarts allowed per searcher before the run fails"

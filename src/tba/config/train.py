@@ -200,9 +200,11 @@ class TrainConfig(Section):
         None, ge=1, description="groups per forward/backward pass, gradients accumulated over "
         "the batch; groups stay whole (default: the whole batch at once)",
     )
-    gradient_checkpointing: bool = Field(
-        False, description="recompute activations in the backward pass: less memory, ~30% "
-        "more compute (each response then runs with its prompt instead of sharing its KV cache)",
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute activations in the backward pass: less memory, ~30% "
+        "more compute (each response then runs with its prompt instead of sharing its KV "
+        "cache); `auto`: on where the trainer runs on a GPU, where activations, not weights, "
+        "fill the card (docs/models.md), off on a CPU",
     )
 
 

@@ -143,19 +143,27 @@ def load_policy(
     *,
     dtype: str = "float32",
     lora: LoraConfig | None = None,
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: bool | str = False,
     quantization: QuantizationConfig | None = None,
 ) -> PreTrainedModel:
     """The policy as trainer and searchers hold it: in `dtype`, with adapters when `lora.r > 0`
     (fresh adapters leave the model's outputs unchanged: their B matrix starts at zero), its
-    base quantized when `quantization.bits > 0` (`tba.policy.quantization`)."""
+    base quantized when `quantization.bits > 0` (`tba.policy.quantization`), its activations
+    recomputed in the backward pass with `gradient_checkpointing` (`auto`: on a GPU)."""
     model = load_model(path, device, DTYPES[dtype], quantization)
     disable_dropout(model)
-    if gradient_checkpointing:
+    if checkpointing_wanted(gradient_checkpointing, device):
         enable_checkpointing(model)
     if lora is not None and lora.r > 0:
         model = add_lora(model, lora)
     return model
+
+
+def checkpointing_wanted(setting: bool | str, device: torch.device | str) -> bool:
+    """`train.gradient_checkpointing` on `device`: `auto` recomputes on a GPU only, where the
+    activations of a batch outgrow the weights (docs/models.md), and not on a CPU, where the
+    recomputation costs time that host memory does not need."""
+    return torch.device(device).type == "cuda" if setting == "auto" else bool(setting)
 
 
 def enable_checkpointing(model: PreTrainedModel) -> None:

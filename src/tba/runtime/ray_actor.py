@@ -7,7 +7,8 @@ on generation in flight. Weights are offered as an object-store reference and ad
 batches; new samples wait in an outbox until the trainer collects them. On the trainer's machine
 the offer comes with the handles of the trainer's shared weight buckets (once), and the searcher
 copies the newest version out of them instead (`tba.runtime.weight_buckets`); where it cannot map
-them (another machine, another GPU), it says so in its reports and takes the object store's. A
+them (another machine, another GPU), it joins the trainer's broadcast group when it is offered one
+(`tba.runtime.weight_broadcast`), else takes the object store's, and says which in its reports. A
 full outbox pauses the loop, so memory stays bounded however slow the trainer is.
 
 With a `ledger_path`, the actor records after every batch how many samples it has made and how
@@ -35,6 +36,7 @@ from tba.errors import RunError
 from tba.policy.model import get_weights, load_policy, resolve_device
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
+from tba.runtime.weight_broadcast import BroadcastReceiver
 from tba.runtime.weight_buckets import BucketReader, CannotAttach
 from tba.searcher import Searcher, SearchSettings
 
@@ -92,10 +94,12 @@ class SearcherActor:
         # (version, the optimizer step it was published at, ObjectRef of the weights)
         self._offer: tuple[int, int, object] | None = None
         # The trainer's shared weight buckets: their handles until this searcher tries them,
-        # then the reader mapping them (None: the object store's path), and which path it took.
+        # then the reader mapping them or the receiver of the trainer's broadcast (neither: the
+        # object store's path), and which path it took.
         self._bucket_handles: dict | None = None
         self._reader: BucketReader | None = None
-        self.weight_transfer: str | None = None  # "shared" or "object_store", once known
+        self._receiver: BroadcastReceiver | None = None
+        self.weight_transfer: str | None = None  # "shared", "broadcast", "object_store"
         self.weight_transfer_why = ""
         self._counters: Counter[str] = Counter()
         self._error: str | None = None
@@ -120,7 +124,7 @@ class SearcherActor:
     ) -> tuple[list[Sample], dict[str, float]]:
         """Synchronous mode: one batch with the given weights, returned at once."""
         self.offer_weights(version, step, refs, buckets)
-        self._adopt_offered_weights()
+        self._adopt_offered_weights(exact=True)
         samples, stats = self.searcher.generate(num_prompts)
         self._write_ledger()
         return samples, stats | {
@@ -175,7 +179,9 @@ class SearcherActor:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _adopt_offered_weights(self) -> None:
+    def _adopt_offered_weights(self, exact: bool = False) -> None:
+        """The newest weights offered, before the next batch. `exact` (synchronous mode): the
+        version offered, waited for if it is still on its way (broadcast)."""
         import ray  # this process is a Ray actor: Ray is there, and was imported by Ray itself
 
         with self._lock:
@@ -184,33 +190,54 @@ class SearcherActor:
         if handles is not None:
             self._attach(handles)
         start = time.time()
+        copied = None
         if self._reader is not None:  # the newest whole version out of the shared buckets
             copied = self._reader.copy_newest(newer_than=self.searcher.version)
-            if copied is not None:
-                self.searcher.weights_copied(*copied)
-                self._counters["sync_seconds"] += time.time() - start
-                self._counters["weight_updates"] += 1
-            return
-        if offer is not None and offer[0] > self.searcher.version:
+        elif self._receiver is not None and self._receiver.error is not None:
+            # Cannot join the group, or it broke: said in the reports, the trainer sends copies.
+            self.weight_transfer, self.weight_transfer_why = "object_store", self._receiver.error
+            self._receiver = None
+        elif self._receiver is not None:  # the newest version the trainer's broadcast staged
+            offered = offer[0] if offer is not None else -1
+            # A searcher that has received nothing yet waits for its first weights, as one
+            # given them through the object store would start with them.
+            first = self._receiver.staged[0] < 0 and offered > self.searcher.version
+            wait = offered if (exact or first) and offered > self.searcher.version else None
+            copied = self._receiver.copy_newest(
+                newer_than=self.searcher.version, wait_for=wait, timeout_s=self.weights_timeout_s)
+        if copied is not None:
+            self.searcher.weights_copied(*copied)
+        elif offer is not None and offer[0] > self.searcher.version and self._receiver is None \
+                and self._reader is None:  # fmt: skip
             version, step, ref = offer
             if ref is None:
                 raise RunError(
                     f"weights of version {version} were offered only through the trainer's "
-                    f"shared buckets, which this searcher cannot map ({self.weight_transfer_why}"
-                    "); set searchers.weight_transfer=object_store"
+                    f"shared buckets or broadcast, which this searcher cannot use "
+                    f"({self.weight_transfer_why}); set searchers.weight_transfer=object_store"
                 )
-            weights = ray.get(ref, timeout=self.weights_timeout_s)
-            self.searcher.set_weights(weights, version, step)
-            self._counters["sync_seconds"] += time.time() - start
-            self._counters["weight_updates"] += 1
+            self.searcher.set_weights(ray.get(ref, timeout=self.weights_timeout_s), version, step)
+        else:
+            return
+        self._counters["sync_seconds"] += time.time() - start
+        self._counters["weight_updates"] += 1
 
     def _attach(self, handles: dict) -> None:
-        """Map the trainer's shared weight buckets, or note why not (the object store's path)."""
+        """Map the trainer's shared weight buckets; where it cannot, join its broadcast group if
+        it has one; else note why not (the object store's path)."""
         try:
+            if handles.get("only") == "broadcast":
+                raise CannotAttach("searchers.weight_transfer=broadcast")
             self._reader = BucketReader(handles, self.searcher.policy, self.node)
             self.weight_transfer, self.weight_transfer_why = "shared", ""
         except CannotAttach as why:
             self.weight_transfer, self.weight_transfer_why = "object_store", str(why)
+            if handles.get("broadcast") is not None:
+                name = f"searcher{self.searcher.searcher_id}.{self.searcher.incarnation}." \
+                    f"{os.getpid()}"  # fmt: skip
+                self._receiver = BroadcastReceiver(handles["broadcast"], self.searcher.policy,
+                                                   name, self.weights_timeout_s)  # fmt: skip
+                self.weight_transfer = "broadcast"
 
     def _whereabouts(self) -> dict:
         engine_start = getattr(self.searcher.engine, "start_seconds", None)

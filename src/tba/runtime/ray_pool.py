@@ -2,9 +2,11 @@
 local Ray instance or a cluster. With the trainer in this process (`searchers.weight_transfer`
 `auto` or `shared`), a publish is a copy of its model into flat shared buckets on its device
 (`weight_buckets`), whose handles each searcher process gets once and copies from; Ray carries
-only the version. A searcher that cannot map them (another machine, another GPU) reports so, and
-gets the weights as before: put into the object store once per offer, every such searcher
-fetching that one copy. Which path the searchers take is logged once (`weight_transfer`).
+only the version. A searcher that cannot map them (another machine, another GPU) joins the
+trainer's broadcast group instead, which sends it the same buckets (`weight_broadcast`); with
+`object_store` (or a sharded trainer, whose ranks are Ray actors) the weights are put into the
+object store once per offer, every searcher fetching that one copy. Which path the searchers
+take is logged once per path (`weight_transfer`).
 
 A searcher process that dies is replaced by a new one with the latest weights (up to
 `searchers.max_restarts` times each); one that does not answer within `ray.sync_timeout_s`
@@ -32,6 +34,7 @@ from tba.runtime.placement import searcher_gpus
 from tba.runtime.pool import AsyncSearchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_cluster import cluster_address
+from tba.runtime.weight_broadcast import BroadcastHub
 from tba.runtime.weight_buckets import WeightBuckets
 from tba.searcher import SearchSettings
 from tba.trainer import Trainer, WeightVersions
@@ -91,6 +94,7 @@ class RaySearchers(AsyncSearchers):
         self._rows = ray.put(task.train_rows)  # one copy, shared by every searcher
         self._weights: tuple[int, int, Any] | None = None  # (version, step, ObjectRef|None)
         self._buckets: WeightBuckets | None = None  # the trainer's shared weight buckets
+        self._hub: BroadcastHub | None = None  # and their broadcast, for searchers elsewhere
         self._bucket_handles: dict[str, Any] | None = None
         self._transfer_logged: set[str] = set()
         self._running = False
@@ -172,8 +176,8 @@ class RaySearchers(AsyncSearchers):
         the object store."""
         mode = self.config.searchers.weight_transfer
         if mode == "object_store" or not isinstance(trainer, Trainer):
-            if mode == "shared":
-                raise ConfigError("searchers.weight_transfer=shared needs the trainer in this "
+            if mode in ("shared", "broadcast"):
+                raise ConfigError(f"searchers.weight_transfer={mode} needs the trainer in this "
                                   "process (trainer.world_size=1)")  # fmt: skip
             why = ("searchers.weight_transfer=object_store" if mode == "object_store"
                    else "the trainer's ranks are Ray actors")  # fmt: skip
@@ -181,27 +185,44 @@ class RaySearchers(AsyncSearchers):
             self.offer_weights(*trainer.next_version())
             return
         if self._buckets is None:
-            node = self._ray.get_runtime_context().get_node_id()
-            self._buckets = WeightBuckets(trainer.model, node=node)
-            self._bucket_handles = self._buckets.handles()
+            self._share(trainer)
         version, step = trainer.publish()
         try:
             self._buckets.publish(version, step, timeout_s=self.timeout)
         except TimeoutError as error:
             raise SearcherError(f"{error} (ray.sync_timeout_s={self.timeout:g})") from None
+        if self._hub is not None:
+            self._hub.published()
+            for name, why in self._hub.take_lost():
+                self.log_event("weight_broadcast_lost", searcher=name, reason=why)
         copy = any(self._wants_copy(slot) for slot in self.slots)
         self._weights = (version, step, self._ray.put(trainer.weights()) if copy else None)
         if self._running:
             for slot in self.slots:
                 slot.handle.offer_weights.remote(*self._offer(slot))
 
+    def _share(self, trainer: Trainer) -> None:
+        """The trainer's shared buckets, and (unless `shared` alone) their broadcast."""
+        mode = self.config.searchers.weight_transfer
+        context = self._ray.get_runtime_context()
+        self._buckets = WeightBuckets(trainer.model, node=context.get_node_id())
+        self._bucket_handles = self._buckets.handles()
+        if mode in ("auto", "broadcast"):
+            host = self._ray.util.get_node_ip_address()
+            self._hub = BroadcastHub(self._buckets, host, join_timeout_s=self.timeout)
+            self._bucket_handles |= {"broadcast": self._hub.handles(),
+                                     "only": mode if mode == "broadcast" else None}  # fmt: skip
+
     def _wants_copy(self, slot: _Slot) -> bool:
-        """Whether this searcher takes the weights through the object store: it could not map
-        the buckets, or it has not said yet and may not be able to (`auto`: anywhere but in
-        shared memory on this machine, which every local searcher maps)."""
+        """Whether this searcher takes the weights through the object store: it could neither
+        map the buckets nor join their broadcast, or it has not said yet and may not be able to
+        (`auto`: anywhere but in shared memory on this machine, which every local searcher
+        maps)."""
         if self._buckets is None:
             return True
-        if self.config.searchers.weight_transfer == "shared" or slot.transfer == "shared":
+        if self.config.searchers.weight_transfer in ("shared", "broadcast"):
+            return False
+        if slot.transfer in ("shared", "broadcast"):
             return False
         local = cluster_address(self.config) is None and self._buckets.device.type == "cpu"
         return slot.transfer == "object_store" or not local
@@ -219,7 +240,8 @@ class RaySearchers(AsyncSearchers):
 
     def _note_transfer(self, i: int, report: dict) -> None:
         slot = self.slots[i]
-        if slot.transfer is None and report.get("weight_transfer") is not None:
+        # (It changes once more where a broadcast group fails: to the object store.)
+        if report.get("weight_transfer") not in (None, slot.transfer):
             slot.transfer = report["weight_transfer"]
             why = report.get("weight_transfer_why") or (
                 f"buckets on the trainer's {self._buckets.device}" if self._buckets else "")
@@ -470,5 +492,7 @@ class RaySearchers(AsyncSearchers):
         for i, slot in enumerate(self.slots):
             generated = self.generated_by(i, slot.incarnation)
             self._discarded += max(0, (generated or 0) - slot.handed)
+        if self._hub is not None:
+            self._hub.close()
         if self._buckets is not None:
             self._buckets.close()

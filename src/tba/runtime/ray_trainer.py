@@ -68,7 +68,7 @@ class TrainerRank:
 
     def start(
         self, host: str, port: int, policy_dir: str, settings: dict[str, Any], dtype: str,
-        gradient_checkpointing: bool, timeout_s: float,
+        gradient_checkpointing: bool | str, timeout_s: float,
     ) -> dict[str, Any]:  # fmt: skip
         """Join the process group and load this rank's shards of the policy."""
         cuda = torch.cuda.is_available()  # Ray shows a rank only the GPUs it reserved

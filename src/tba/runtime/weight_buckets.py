@@ -45,6 +45,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,7 @@ def pack(state: dict[str, torch.Tensor], buckets: dict[str, torch.Tensor],
     """Copy `state` into `buckets` as `entries` lay it out (aliases once)."""
     views = bucket_views(buckets, entries)
     originals = [e.name for e in entries if e.alias_of is None]
-    _copy([views[name] for name in originals], [state[name] for name in originals])
+    copy_into([views[name] for name in originals], [state[name] for name in originals])
 
 
 def unpack(buckets: dict[str, torch.Tensor], entries: list[Entry]) -> dict[str, torch.Tensor]:
@@ -147,7 +148,36 @@ def unpack(buckets: dict[str, torch.Tensor], entries: list[Entry]) -> dict[str, 
     return copies
 
 
-def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+def check_layout(entries: list[Entry], target: dict[str, torch.Tensor]) -> None:
+    """`CannotAttach` unless the model whose `published_state` is `target` has the tensors the
+    manifest describes (names, dtypes, shapes)."""
+    mine = {name: (_dtype_name(t.dtype), tuple(t.shape)) for name, t in target.items()}
+    theirs = {e.name: (e.dtype, e.shape) for e in entries}
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        raise CannotAttach(f"the searcher's model is laid out unlike the trainer's: {differ}")
+
+
+Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def copy_pairs(entries: list[Entry], target: dict[str, torch.Tensor],
+               buckets: dict[str, torch.Tensor]) -> Pairs:  # fmt: skip
+    """(a model's tensors, the bucket views they copy from): what `copy_into` takes to load a
+    version into the model. An alias is copied only where the model does not already share the
+    memory of its original (tied embeddings)."""
+    views = bucket_views(buckets, entries)
+    targets, sources = [], []
+    for entry in entries:
+        tied = entry.alias_of is not None and (
+            _memory_key(target[entry.name]) == _memory_key(target[entry.alias_of]))
+        if not tied:
+            targets.append(target[entry.name])
+            sources.append(views[entry.name])
+    return targets, sources
+
+
+def copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """targets[i] <- sources[i]; one fused call where they share a device."""
     if not targets:
         return
@@ -268,24 +298,32 @@ class WeightBuckets:
         fd = self._fds[index]
         self.waited_s += _lock(fd, exclusive=True, timeout_s=timeout_s)
         try:
-            _copy(self._views[index], self._tensors())  # synchronised before the lock goes
+            copy_into(self._views[index], self._tensors())  # synchronised before the lock goes
             self.header[index, 0], self.header[index, 1] = version, step
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
         self.version, self.step = version, step
         return time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def newest_set(self) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+        """(version, step, buckets) of the newest published set, under its shared lock, for a
+        reader in this process (the broadcast to searchers elsewhere, a numpy copy): a lock file
+        opened for the purpose, so that it conflicts with the trainer's own."""
+        index = self.version % len(self.sets)
+        fd = os.open(self.lock_paths[index], os.O_RDWR)
+        try:
+            _lock(fd, exclusive=False)
+            version, step = (int(x) for x in self.header[index])  # authoritative under the lock
+            yield version, step, self.sets[index]
+        finally:
+            os.close(fd)  # which lets go of the lock
+
     def latest_numpy(self) -> tuple[int, int, dict[str, np.ndarray]]:
         """The newest published version as `get_weights` gives it (for a searcher that cannot
         attach): (version, step, weights)."""
-        index = self.version % len(self.sets)
-        fd = self._fds[index]
-        _lock(fd, exclusive=False)
-        try:
-            version, step = (int(x) for x in self.header[index])
-            tensors = unpack(self.sets[index], self.entries)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        with self.newest_set() as (version, step, buckets):
+            tensors = unpack(buckets, self.entries)
         return version, step, as_numpy(tensors)
 
     def handles(self) -> dict[str, Any]:
@@ -322,7 +360,7 @@ class BucketReader:
             raise CannotAttach("the searcher runs on another machine than the trainer")
         self.entries = [Entry(n, d, o, tuple(s), a) for n, d, o, s, a in handles["entries"]]
         target = published_state(model)
-        self._check_layout(target)
+        check_layout(self.entries, target)
         device = next(iter(target.values())).device
         local_gpu = None
         if handles["device"] == "cuda":
@@ -333,26 +371,8 @@ class BucketReader:
             self._fds = [os.open(path, os.O_RDWR) for path in handles["locks"]]
         except Exception as error:  # no shared memory, lock files gone: say why, in one line
             raise CannotAttach(f"cannot map the trainer's buckets: {first_line(error)}") from None
-        # Per set: (this model's tensors, the bucket views they copy from). An alias is copied
-        # only where this model does not already share the memory of its original.
-        self._pairs = []
-        for buckets in sets:
-            views = bucket_views(buckets, self.entries)
-            targets, sources = [], []
-            for entry in self.entries:
-                tied = entry.alias_of is not None and (
-                    _memory_key(target[entry.name]) == _memory_key(target[entry.alias_of]))
-                if not tied:
-                    targets.append(target[entry.name])
-                    sources.append(views[entry.name])
-            self._pairs.append((targets, sources))
-
-    def _check_layout(self, target: dict[str, torch.Tensor]) -> None:
-        mine = {name: (_dtype_name(t.dtype), tuple(t.shape)) for name, t in target.items()}
-        theirs = {e.name: (e.dtype, e.shape) for e in self.entries}
-        if mine != theirs:
-            differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
-            raise CannotAttach(f"the searcher's model is laid out unlike the trainer's: {differ}")
+        # Per set: (this model's tensors, the bucket views they copy from).
+        self._pairs = [copy_pairs(self.entries, target, buckets) for buckets in sets]
 
     @staticmethod
     def _local_gpu(uuid: str, device: torch.device) -> torch.device:
@@ -384,7 +404,7 @@ class BucketReader:
             if version <= newer_than:
                 return None
             targets, sources = self._pairs[index]
-            _copy(targets, sources)
+            copy_into(targets, sources)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
         return version, step

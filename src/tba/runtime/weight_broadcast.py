@@ -1,0 +1,230 @@
+"""Handing the trainer's weights to searchers its shared buckets cannot reach (another GPU, another
+machine): the same flat per-dtype buckets (`weight_buckets`), sent by a `torch.distributed`
+broadcast — NCCL between GPUs, gloo otherwise — while Ray carries only the version.
+
+**One small group per searcher process.** The trainer (`BroadcastHub`) serves a `TCPStore`; a
+searcher that cannot map the buckets (`BroadcastReceiver`) registers under a name of its own
+(searcher, incarnation, process) and forms a two-process group with the trainer: the trainer is
+rank 0, the searcher rank 1. A group per searcher, rather than one for all, is what keeps the
+others going when one dies or joins: a collective waits for every member, so a dead member would
+stall everyone, and a member joining late would need everyone to form a new group. Here a dead
+searcher breaks only its own group (its socket closes; the trainer's thread for it ends and the
+hub lists it as lost), and a replacement forms a new one and is sent the newest version at once.
+The price is that the trainer sends each version once per such searcher rather than once in all
+(a tree broadcast would not be): fine for the few searchers a trainer feeds across machines.
+
+**Nothing blocks the trainer's step.** Each group has a thread on the trainer that, whenever a
+newer version is published, holds the newest bucket set under its shared lock (the trainer then
+writes the other set, as for a searcher copying from shared memory) and broadcasts a header
+(version, step) and then each bucket. A searcher's thread receives into staging buckets of its
+own — the header first, outside its lock (it waits there between versions), then the buckets
+under the lock — and the searcher copies the newest whole staged version into its model between
+two generations (`copy_newest`), so no generation mixes two versions. A slow link delays only
+its own searcher, and the trainer's publish only when a version is still on the wire two
+publishes later (as a slow copy does with shared buckets).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tba.errors import first_line
+from tba.policy.model import published_state
+from tba.runtime.weight_buckets import (
+    Entry,
+    WeightBuckets,
+    check_layout,
+    copy_into,
+    copy_pairs,
+)
+
+# A group's operations wait this long: between two versions a searcher waits in a receive for as
+# long as the trainer takes to publish again, which can be minutes; a dead peer is noticed at
+# once anyway, by its closed socket.
+GROUP_TIMEOUT = datetime.timedelta(days=1)
+POLL_S = 0.1  # how often the trainer looks for searchers joining
+
+
+def _group(store: dist.Store, rank: int, backend: str) -> dist.ProcessGroup:
+    """A two-process group (the trainer is rank 0) on `store`, outside any default group."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = GROUP_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
+
+
+def _broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """Rank 0's `tensors` into rank 1's, in order, as bytes (any dtype, bf16 included)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    for tensor in tensors:
+        group.broadcast([tensor.view(torch.uint8)], options).wait()
+    for tensor in tensors[:1]:
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)  # received (or sent) before the lock goes
+
+
+def _bucket_order(buckets: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [buckets[dtype] for dtype in sorted(buckets)]
+
+
+class BroadcastHub:
+    """The trainer's side: a store searchers join at, and a thread per joined searcher that
+    sends it every newer version of `buckets`. Call `published()` after each publish."""
+
+    def __init__(self, buckets: WeightBuckets, host: str, join_timeout_s: float) -> None:
+        self.buckets = buckets
+        self.host = host
+        self.join_timeout = datetime.timedelta(seconds=join_timeout_s)
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=self.join_timeout)  # fmt: skip
+        self.sent: dict[str, int] = {}  # searcher name -> the newest version sent to it
+        self.lost: list[tuple[str, str]] = []  # (searcher name, why), to be reported
+        self._new_version = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listener = threading.Thread(target=self._listen, daemon=True)
+        self._listener.start()
+
+    def handles(self) -> dict[str, Any]:
+        """What a searcher joins with: small and picklable."""
+        return {"host": self.host, "port": self.store.port,
+                "entries": [(e.name, e.dtype, e.offset, e.shape, e.alias_of)
+                            for e in self.buckets.entries]}  # fmt: skip
+
+    def published(self) -> None:
+        with self._new_version:
+            self._new_version.notify_all()
+
+    def take_lost(self) -> list[tuple[str, str]]:
+        lost, self.lost = self.lost, []
+        return lost
+
+    def _listen(self) -> None:
+        """Start a sender for every searcher that registers (a counter and a record each)."""
+        seen = 0
+        while not self._stop.is_set():
+            joined = int(self.store.add("joined", 0))
+            while seen < joined:
+                seen += 1
+                record = json.loads(self.store.get(f"join/{seen}"))
+                thread = threading.Thread(target=self._serve, args=(record,), daemon=True)
+                thread.start()
+                self._threads.append(thread)
+            self._stop.wait(POLL_S)
+
+    def _serve(self, record: dict[str, str]) -> None:
+        """Form the group with one searcher, then send it the newest version whenever there is a
+        newer one, until it or the hub goes."""
+        name = record["name"]
+        try:
+            device = self.buckets.device
+            if record["backend"] == "nccl":
+                torch.cuda.set_device(device)
+            group = _group(dist.PrefixStore(name, self.store), 0, record["backend"])
+            sent = -1
+            while not self._stop.is_set():
+                if not self._newer_than(sent):
+                    continue
+                with self.buckets.newest_set() as (version, step, buckets):
+                    on_wire = device if record["backend"] == "nccl" else torch.device("cpu")
+                    header = torch.tensor([version, step], dtype=torch.int64, device=on_wire)
+                    _broadcast(group, [header, *_bucket_order(buckets)])
+                sent = self.sent[name] = version
+        except Exception as error:  # its process died, or the link broke: only its group ends
+            if not self._stop.is_set():
+                self.lost.append((name, first_line(error)))
+
+    def _newer_than(self, sent: int) -> bool:
+        """Wait (a while) for a version newer than `sent`; whether there is one to send."""
+        with self._new_version:
+            self._new_version.wait_for(
+                lambda: self._stop.is_set() or self.buckets.version > sent, timeout=1.0)
+        return not self._stop.is_set() and self.buckets.version > sent
+
+    def close(self) -> None:
+        self._stop.set()
+        self.published()
+        self._listener.join(timeout=5)
+
+
+class BroadcastReceiver:
+    """A searcher's side: joins the trainer's hub as `name`, receives every version it is sent
+    into staging buckets in a thread of its own, and copies the newest into `model` on request
+    (`copy_newest`, between two generations)."""
+
+    def __init__(self, handles: dict[str, Any], model: torch.nn.Module, name: str,
+                 join_timeout_s: float) -> None:  # fmt: skip
+        """Check `model` against the trainer's manifest (`CannotAttach` saying why) and start
+        joining; a failure to join shows as `error`."""
+        self.entries = [Entry(n, d, o, tuple(s), a) for n, d, o, s, a in handles["entries"]]
+        target = published_state(model)
+        check_layout(self.entries, target)
+        device = next(iter(target.values())).device
+        self.backend = "nccl" if device.type == "cuda" and torch.distributed.is_nccl_available() \
+            else "gloo"  # fmt: skip
+        self._on_wire = device if self.backend == "nccl" else torch.device("cpu")
+        sizes: dict[str, int] = {}
+        for entry in self.entries:
+            if entry.alias_of is None:
+                sizes[entry.dtype] = max(sizes.get(entry.dtype, 0), entry.offset + entry.numel)
+        self._staging = {d: torch.empty(n, dtype=getattr(torch, d), device=self._on_wire)
+                         for d, n in sizes.items()}  # fmt: skip
+        self._pairs = copy_pairs(self.entries, target, self._staging)
+        self.name = name
+        self.staged = (-1, -1)  # (version, step) of the whole version in staging
+        self.error: str | None = None
+        self.joined = threading.Event()
+        self._staged = threading.Condition()  # held while staging is written or read
+        self._thread = threading.Thread(
+            target=self._receive, args=(handles, join_timeout_s), daemon=True)
+        self._thread.start()
+
+    def _receive(self, handles: dict[str, Any], join_timeout_s: float) -> None:
+        try:
+            timeout = datetime.timedelta(seconds=join_timeout_s)
+            store = dist.TCPStore(handles["host"], handles["port"], is_master=False,
+                                  timeout=timeout)  # fmt: skip
+            number = store.add("joined", 1)
+            store.set(f"join/{number}", json.dumps({"name": self.name, "backend": self.backend}))
+            group = _group(dist.PrefixStore(self.name, store), 1, self.backend)
+            self.joined.set()
+            header = torch.empty(2, dtype=torch.int64, device=self._on_wire)
+            while True:
+                _broadcast(group, [header])  # waits here until the trainer publishes again
+                with self._staged:
+                    _broadcast(group, _bucket_order(self._staging))
+                    self.staged = (int(header[0]), int(header[1]))
+                    self._staged.notify_all()
+        except Exception as error:  # cannot join, or the trainer went: the caller falls back
+            with self._staged:
+                self.error = f"the trainer's broadcast group: {first_line(error)}"
+                self._staged.notify_all()
+
+    def copy_newest(self, newer_than: int, wait_for: int | None = None,
+                    timeout_s: float = 0.0) -> tuple[int, int] | None:  # fmt: skip
+        """Copy the newest staged version into the model if it is newer than `newer_than`:
+        (version, step) copied, or None. With `wait_for`, first wait (at most `timeout_s`, then
+        TimeoutError) until that version or a newer one is staged."""
+        with self._staged:
+            if wait_for is not None:
+                arrived = self._staged.wait_for(
+                    lambda: self.staged[0] >= wait_for or self.error is not None, timeout_s)
+                if self.error is not None:
+                    raise RuntimeError(self.error)
+                if not arrived:
+                    raise TimeoutError(f"version {wait_for} has not arrived through the "
+                                       f"trainer's broadcast group in {timeout_s:g} s")  # fmt: skip
+            version, step = self.staged
+            if version <= newer_than:
+                return None
+            copy_into(*self._pairs)
+        return version, step
+
