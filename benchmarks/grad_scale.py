@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from tba.config import load_config
-from tba.loop import build_trainer
 from tba.objectives import OBJECTIVES
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import load_policy
@@ -30,15 +29,22 @@ from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.searcher import Searcher, SearchSettings
 from tba.tasks import load_task, resolve_policy
+from tba.trainer import Trainer, trainer_settings
 
 LOSSES = tuple(OBJECTIVES)
+
+
+def build_trainer(config, policy_dir, tokenizer) -> Trainer:
+    """A trainer of `config`'s objective on a fresh copy of the base policy, on the CPU."""
+    model = load_policy(str(policy_dir), "cpu", dtype=config.policy.dtype)
+    return Trainer(model, **trainer_settings(config, tokenizer.pad_token_id, None))
 
 
 def flat_grad(trainer, groups, beta: float) -> torch.Tensor:
     """The gradient of the trainer's objective on `groups`, flattened (no step taken)."""
     trainer.model.zero_grad(set_to_none=True)
     flat = [s for group in groups for s in group]
-    loss, _ = trainer._loss(flat, beta)
+    loss, _ = trainer._loss(flat, beta, [])
     loss.backward()
     grads = [p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]
     trainer.model.zero_grad(set_to_none=True)
@@ -50,7 +56,7 @@ def gradient_table(config, policy_dir, tokenizer, batches) -> None:
     grads: dict[str, list[torch.Tensor]] = {}
     for loss in LOSSES:
         config.train.loss = loss
-        trainer = build_trainer(config, policy_dir, tokenizer, "cpu")
+        trainer = build_trainer(config, policy_dir, tokenizer)
         grads[loss] = [flat_grad(trainer, groups, beta) for groups in batches]
     print(f"\ngradient of each objective on the same {len(batches)} on-policy batches "
           f"(beta {beta:g}, max_grad_norm {config.train.max_grad_norm:g})")  # fmt: skip
@@ -87,7 +93,7 @@ def ratio_drift(trainer, groups, eps: float) -> tuple[float, float]:
 
 def drift_table(config, policy_dir, tokenizer, searcher, max_stale: int, eps: float) -> None:
     config.train.loss = "tb"
-    trainer = build_trainer(config, policy_dir, tokenizer, "cpu")
+    trainer = build_trainer(config, policy_dir, tokenizer)
     tc = config.train
     kept = to_groups(searcher.generate(tc.num_prompts)[0])
     print(f"\nsamples s steps stale (TB, lr {tc.learning_rate:g}, fresh batch every step): share "

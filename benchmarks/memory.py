@@ -13,15 +13,17 @@
   where the logits are most of the memory: the log-probs from the full (tokens x vocabulary)
   logits against the chunked computation tba uses (`tba.policy.chunked_logprobs`). Peak memory of
   the step and its time (median over `--steps`).
-- `--suite qwen`: one TB train step, then the searcher's reference scoring of the same batch,
-  on Qwen2.5 0.5B, 1.5B, 3B and 7B (public configurations, random weights, bf16), full
-  fine-tuning, LoRA and QLoRA (the base saved, then loaded back in 4 bits with double
-  quantization), and full fine-tuning with bitsandbytes' 8-bit AdamW (`train.optimizer`) and/or
-  bf16 weights without fp32 masters (`train.master_weights=none`, Kahan-compensated) against
-  the default (AdamW, fp32 masters), B x K = 8 x 16 responses of 256 tokens after 64-token
-  prompts: peak device
-  memory (CUDA's allocator) of each, and which fit on the card. `--small` runs the same on a CPU
-  with narrow shapes, to try it.
+- `--suite qwen`: one TB train step, then the searcher's reference scoring of the same batch (in
+  passes of one micro-batch, as a searcher scores),
+  on Qwen2.5 0.5B, 1.5B, 3B and 7B (public configurations, random weights made on the device,
+  bf16), each tuned four ways: full fine-tuning as by default (AdamW, fp32 master weights), full
+  with the least optimizer memory (bitsandbytes' 8-bit AdamW, bf16 weights without masters,
+  Kahan-compensated: `train.optimizer=adamw_8bit train.master_weights=none`), LoRA r=16 and
+  QLoRA r=16 (the base saved in memory, then loaded back in 4 bits with double quantization);
+  gradient checkpointing as its default sets it (on a GPU: on), and the 0.5B full step once
+  without; B x K = 8 x 16 responses of 256 tokens after 64-token prompts, micro-batches of 4
+  groups: peak device memory (CUDA's allocator) of each, and which fit on the card. `--small`
+  runs the same on a CPU with narrow shapes, to try it.
 
     python -m benchmarks.memory                          # roles: fp32, bf16; none, LoRA, QLoRA
     python -m benchmarks.memory --suite logprobs         # CPU, ~1 min
@@ -51,17 +53,19 @@ from benchmarks.shapes import parameters, qwen_config, random_qwen
 from tba.config import LoraConfig, QuantizationConfig, TrainConfig
 from tba.core import Sample
 from tba.peak_memory import PeakMemory
+from tba.policy.decoding import evaluating
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import (
     DTYPES,
     add_lora,
+    checkpointing_wanted,
     enable_checkpointing,
     get_weights,
     load_policy,
     resolve_device,
 )
 from tba.policy.tokenizer import build_char_tokenizer, load_tokenizer
-from tba.searcher import Searcher, SearchSettings, evaluation_mode
+from tba.searcher import Searcher, SearchSettings
 from tba.tasks.math.task import math_task
 from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
@@ -212,9 +216,12 @@ def measure_step(args: argparse.Namespace) -> dict:
         step_peak = memory.peak_mib()
         memory.reset()
         flat = [s for group in groups for s in group]
-        with torch.no_grad(), evaluation_mode(model):
-            sequence_logprobs(model, [s.prompt_ids for s in flat], [s.response_ids for s in flat],
-                              pad_id=0)  # fmt: skip
+        size = (args.micro_batch_groups or args.num_prompts) * args.group_size
+        with torch.no_grad(), evaluating(model):
+            for start in range(0, len(flat), size):  # as a searcher scores: a micro-batch a pass
+                part = flat[start : start + size]
+                sequence_logprobs(model, [s.prompt_ids for s in part],
+                                  [s.response_ids for s in part], pad_id=0)  # fmt: skip
         score_peak = memory.peak_mib()
     except torch.OutOfMemoryError:
         return {"oom": True, "parameters": parameters(config)}
@@ -226,8 +233,10 @@ def measure_step(args: argparse.Namespace) -> dict:
 
 def quantized_qwen(config, device: torch.device, args: argparse.Namespace):
     """QLoRA: a random model of `config` saved, then loaded back as a run loads it, its linear
-    layers quantized to `args.bits` (bitsandbytes quantizes while loading), with adapters."""
-    with tempfile.TemporaryDirectory() as directory:
+    layers quantized to `args.bits` (bitsandbytes quantizes while loading), with adapters. Saved
+    in memory (/dev/shm where there is one), not on disk: a 7B model is 15 GB in bf16."""
+    memory = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(dir=memory) as directory:
         model = random_qwen(config, device, DTYPES[args.dtype])
         model.save_pretrained(directory)
         del model
@@ -283,22 +292,22 @@ def logprobs_suite(args: argparse.Namespace) -> None:
           f"time {full['step_seconds'] / chunked['step_seconds']:.2f}x")  # fmt: skip
 
 
-QWEN_ROWS = [  # (shape, LoRA rank, gradient checkpointing, bits of the base: QLoRA when > 0)
-    ("qwen2.5-0.5b", 0, False, 0), ("qwen2.5-0.5b", 0, True, 0), ("qwen2.5-0.5b", 16, False, 0),
-    ("qwen2.5-0.5b", 16, False, 4), ("qwen2.5-1.5b", 0, True, 0), ("qwen2.5-1.5b", 16, True, 0),
-    ("qwen2.5-3b", 0, True, 0), ("qwen2.5-3b", 16, True, 0), ("qwen2.5-7b", 0, True, 0),
-    ("qwen2.5-7b", 16, True, 0), ("qwen2.5-7b", 16, True, 4),
-]  # fmt: skip
+QWEN_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
+# (LoRA rank, bits of the base: QLoRA when > 0, train.optimizer, train.master_weights): full
+# fine-tuning as today's default, full with the least optimizer memory, LoRA, QLoRA.
+QWEN_TUNINGS = [(0, 0, "adamw", "fp32"), (0, 0, "adamw_8bit", "none"), (16, 0, "adamw", "fp32"),
+                (16, 4, "adamw", "fp32")]  # fmt: skip
 
 
-# Full fine-tuning with less optimizer memory (`train.optimizer`, `train.master_weights`; the
-# rows above: adamw, fp32 masters): (shape, gradient checkpointing, optimizer, master weights).
-QWEN_OPTIMIZER_ROWS = [
-    ("qwen2.5-0.5b", True, "adamw_8bit", "fp32"), ("qwen2.5-0.5b", True, "adamw", "none"),
-    ("qwen2.5-0.5b", True, "adamw_8bit", "none"), ("qwen2.5-1.5b", True, "adamw_8bit", "none"),
-    ("qwen2.5-3b", True, "adamw_8bit", "none"), ("qwen2.5-7b", True, "adamw_8bit", "fp32"),
-    ("qwen2.5-7b", True, "adamw", "none"), ("qwen2.5-7b", True, "adamw_8bit", "none"),
-]  # fmt: skip
+def qwen_rows(args: argparse.Namespace) -> list[tuple]:
+    """(shape, rank, checkpointing, bits, optimizer, master weights) of every measurement: each
+    shape with each tuning, gradient checkpointing as `train.gradient_checkpointing=auto` sets
+    it on this device; and the 0.5B full step with the other choice, to show what it changes."""
+    checkpointing = checkpointing_wanted("auto", resolve_device(args.device))
+    rows = [(shape, rank, checkpointing, bits, optimizer, master_weights)
+            for shape in QWEN_SHAPES for rank, bits, optimizer, master_weights in QWEN_TUNINGS]
+    rows.insert(1, ("qwen2.5-0.5b", 0, not checkpointing, 0, "adamw", "fp32"))
+    return rows
 
 
 def qwen_suite(args: argparse.Namespace) -> None:
@@ -312,10 +321,7 @@ def qwen_suite(args: argparse.Namespace) -> None:
     print("| model | parameters | tuning | checkpointing | train step peak | reference scoring "
           "peak | step seconds |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    rows = [(shape, rank, checkpointing, bits, "adamw", "fp32")
-            for shape, rank, checkpointing, bits in QWEN_ROWS]
-    rows += [(shape, 0, checkpointing, 0, optimizer, master_weights)
-             for shape, checkpointing, optimizer, master_weights in QWEN_OPTIMIZER_ROWS]
+    rows = qwen_rows(args)
     for shape, rank, checkpointing, bits, optimizer, master_weights in rows:
         if args.only and shape not in args.only:
             continue
@@ -397,13 +403,15 @@ SUITE_DEFAULTS = {
     "roles": {},
     "logprobs": dict(dtypes=["float32"], steps=3, num_prompts=4, group_size=8, length=64,
                      prompt_length=16, micro_batch_groups=0),
-    "qwen": dict(dtypes=["bfloat16"], steps=2, num_prompts=8, group_size=16, length=256,
+    # One step each: its peak holds everything (Adam's state is made in the first step); within
+    # 5 minutes on one H100 or H200 for the 17 rows.
+    "qwen": dict(dtypes=["bfloat16"], steps=1, num_prompts=8, group_size=16, length=256,
                  prompt_length=64, micro_batch_groups=4),
 }  # fmt: skip
 SMALL_QWEN = dict(num_prompts=2, group_size=4, length=16, prompt_length=8, micro_batch_groups=1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=list(SUITE_DEFAULTS), default="roles")
     parser.add_argument("--small", action="store_true",
@@ -433,7 +441,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--optimizer", default="adamw", help="step: train.optimizer")
     parser.add_argument("--master-weights", default="fp32", help="step: train.master_weights")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     defaults = dict(dtypes=["float32", "bfloat16"], steps=2, num_prompts=2, group_size=4,
                     length=24, prompt_length=16, micro_batch_groups=0)  # fmt: skip
     defaults |= SUITE_DEFAULTS[args.suite] | (SMALL_QWEN if args.small else {})
