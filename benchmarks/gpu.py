@@ -15,17 +15,26 @@ Parts (`--parts`, all by default):
   4864, vocabulary 151,936, tied embeddings, rope theta 1e6; random weights) in bf16 through
   `TBATrainer`, synchronous, B=8 prompts x K=16 responses of 256 new tokens: the step's parts,
   train tokens/s and MFU (6 * parameters * tokens over the card's dense bf16 peak), peak memory.
+- model-async: that model the same way, asynchronously, with 2 searchers as Ray actors on the
+  trainer's GPU (a third of it each), against the synchronous `model` part: samples/s, the
+  trainer's idle share (waiting for samples over the step), staleness. Skipped, in one line,
+  when Ray is not installed.
 - sampling: that model writing 128 x 256 tokens with `benchmarks.engines`' generators: tba's
   samplers (its loop, and the compiled one a searcher uses on a GPU) against Hugging Face
   `generate` (dynamic cache; static cache + `torch.compile`), and the decode roofline (every
   weight and the mean KV cache read once per decoding step, at the card's memory bandwidth).
-- handoff: that model's weights from the trainer to a searcher's copy as tba publishes them
-  (`get_weights` + `set_weights`), against a device-to-device copy of every parameter.
+- handoff: that model's weights from the trainer to a searcher's copy through host memory
+  (`get_weights` + `set_weights`: the object store's path), against a device-to-device copy of
+  every parameter; the trainer's publish into its shared buckets (a copy on the device: what it
+  blocks for when searchers on its GPU take the weights by CUDA IPC, `tba.runtime.
+  weight_buckets`); and whether the synchronous in-process searcher samples with the trainer's
+  own module (no hand-off at all). `python -m benchmarks.handoff` measures the searcher's side
+  of each path, through Ray.
 
 It writes `gpu.md` (the table) and `gpu.json` (every figure, and the seconds each part took)
 into `--out` and prints the table last. The 8 minutes are an estimate from the figures of
-docs/results/gpu.md: 2 x 2.5 minutes of training and their start-ups, about 1.5 minutes for the
-model's three parts, and the base policy's build where it is not cached (`--minutes` shortens the
+docs/results/gpu.md: 2 x 2 minutes of training and their start-ups, about 2.5 minutes for the
+model's four parts, and the base policy's build where it is not cached (`--minutes` shortens the
 embedded runs). `--small` runs the same with tiny shapes and short runs (on a CPU: under 3
 minutes).
 
@@ -62,13 +71,17 @@ from tba.policy.model import get_weights, set_weights
 from tba.policy.tokenizer import build_char_tokenizer
 from tba.quiet import quiet_libraries
 from tba.run_dir import read_metrics
+from tba.runtime.placement import shares_trainer_model
+from tba.runtime.weight_buckets import WeightBuckets
 from tba.tasks import resolve_policy
 from tba.tasks.math import world
+from tba.trainer import Trainer, trainer_settings
 
 PARTS = {
     "sync": "embedded math task, synchronous (searcher in the trainer process)",
     "async": "embedded math task, asynchronous, 2 searchers (Ray actors) beside the trainer",
     "model": "Qwen2.5-0.5B-shaped random model through TBATrainer, synchronous",
+    "model-async": "that model asynchronously, 2 searchers (Ray actors) on the trainer's GPU",
     "sampling": "sampling that model: tba's samplers, HF generate (dynamic; static + compile)",
     "handoff": "weight hand-off of that model against a device-to-device copy",
 }
@@ -84,13 +97,14 @@ class Shape:
     new_tokens: int
     steps: int  # TBATrainer steps; the first is a warm-up, left out of the averages
     micro_batch_groups: int
+    async_steps: int  # steps of the asynchronous run (its searchers start while it waits)
 
 
 SHAPES = {
-    "qwen2.5-0.5b": Shape({}, 8, 16, 256, steps=4, micro_batch_groups=4),
+    "qwen2.5-0.5b": Shape({}, 8, 16, 256, steps=4, micro_batch_groups=4, async_steps=12),
     "tiny": Shape(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=128, vocab_size=4096),
-                  2, 4, 16, steps=3, micro_batch_groups=1),
+                  2, 4, 16, steps=3, micro_batch_groups=1, async_steps=4),
 }  # fmt: skip
 
 # The embedded task at a size that runs in seconds on a CPU (--small): its own tiny base policy.
@@ -218,8 +232,10 @@ def even_token_share(completion_ids, **kwargs) -> list[float]:
     return [sum(token % 2 == 0 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def measure_model(shape: Shape, device: torch.device, out: Path) -> dict:
-    """`TBATrainer`, synchronous, `shape.steps` steps; the mean step after the first."""
+def measure_model(shape: Shape, device: torch.device, out: Path, mode: str = "sync") -> dict:
+    """`TBATrainer`, synchronous (`shape.steps` steps: the mean step after the first) or
+    asynchronous with 2 searcher actors (`shape.async_steps`: the mean step after the first
+    that trained)."""
     tokenizer = build_char_tokenizer()
     model = qwen_model(shape, tokenizer, device)
     parameters = sum(p.numel() for p in model.parameters())
@@ -230,12 +246,17 @@ def measure_model(shape: Shape, device: torch.device, out: Path) -> dict:
     if device.type == "cuda":  # the peak of training, not of creating the model in fp32
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    batch = shape.num_prompts * shape.group_size
+    if mode == "sync":
+        how = ["train.mode=sync", "searchers.count=0", f"train.max_steps={shape.steps}"]
+    else:  # one GPU: `searchers.num_gpus=auto` puts both searchers on it, beside the trainer
+        how = ["train.mode=async", "searchers.count=2", f"train.max_steps={shape.async_steps}",
+               f"train.initial_buffer_samples={batch}"]  # fmt: skip
     overrides = [
-        "train.mode=sync", "searchers.count=0", f"policy.device={device}",
-        f"searchers.device={device}", "policy.dtype=bfloat16",
+        *how, f"policy.device={device}", f"searchers.device={device}", "policy.dtype=bfloat16",
         f"train.num_prompts={shape.num_prompts}", f"train.group_size={shape.group_size}",
-        f"policy.max_new_tokens={shape.new_tokens}", f"train.max_steps={shape.steps}",
-        "train.max_minutes=null", f"train.micro_batch_groups={shape.micro_batch_groups}",
+        f"policy.max_new_tokens={shape.new_tokens}", "train.max_minutes=null",
+        f"train.micro_batch_groups={shape.micro_batch_groups}",
         # Evaluated at the start and the end only, on few prompts: this part times training.
         "task.num_eval=4", "task.num_eval_pass_k=1", "eval.pass_k=1", "eval.every_minutes=null",
         f"output_dir={out / 'run'}", f"policy.num_threads={torch.get_num_threads()}",
@@ -248,10 +269,16 @@ def measure_model(shape: Shape, device: torch.device, out: Path) -> dict:
     step = {key: float(np.mean([r[key] for r in steps]))
             for key in ("step_seconds", "wait_seconds", "sync_seconds", "train_seconds",
                         "train_tokens_per_s")}  # fmt: skip
+    summary = json.loads((out / "run" / "eval.json").read_text())
+    trained = max(summary.get("groups_trained", 0), 1)
     name, peak_flops, _ = card(device)
     flops = 6 * parameters * step["train_tokens_per_s"]
     return {
-        "parameters": parameters, "step": step, "steps_averaged": len(steps),
+        "mode": mode, "parameters": parameters, "step": step, "steps_averaged": len(steps),
+        "samples_per_s": batch / step["step_seconds"],
+        "idle_share": step["wait_seconds"] / step["step_seconds"],
+        "staleness_steps_mean": summary.get("staleness_steps_mean"),
+        "fresh_groups": summary.get("groups_fresh", 0) / trained,
         "peak_memory_gib": peak_memory_gib(device), "card": name, "peak_flops": peak_flops,
         "mfu": flops / peak_flops if peak_flops else None,
     }  # fmt: skip
@@ -309,18 +336,30 @@ def measure_handoff(shape: Shape, device: torch.device, repeats: int = 3) -> dic
             for target, source in zip(searcher_model.parameters(), trainer_model.parameters()):
                 target.copy_(source)
 
-    get_s, set_s, copy_s = [], [], []
-    for _ in range(repeats):
-        seconds, weights = timed(device, get_weights, trainer_model)
-        get_s.append(seconds)
-        set_s.append(timed(device, set_weights, searcher_model, weights)[0])
-        copy_s.append(timed(device, copy)[0])
+    buckets = WeightBuckets(trainer_model)
+    get_s, set_s, copy_s, publish_s = [], [], [], []
+    try:
+        for version in range(repeats):
+            seconds, weights = timed(device, get_weights, trainer_model)
+            get_s.append(seconds)
+            set_s.append(timed(device, set_weights, searcher_model, weights)[0])
+            copy_s.append(timed(device, copy)[0])
+            publish_s.append(timed(device, buckets.publish, version, version)[0])
+    finally:
+        buckets.close()
     first = next(searcher_model.parameters())
     assert torch.equal(first, next(trainer_model.parameters()))
     size = sum(p.numel() * p.element_size() for p in trainer_model.parameters())
+    # The synchronous in-process mode of the `model` part: does its searcher sample with the
+    # trainer's own module (on `cuda`, the device `cuda:0` of the parameters)?
+    config = load_config(None, ["train.mode=sync", "searchers.count=0",
+                                f"policy.device={device.type}"])  # fmt: skip
+    trainer = Trainer(trainer_model, **trainer_settings(config, tokenizer.pad_token_id, None))
     return {"bytes": size, "get_seconds": min(get_s), "set_seconds": min(set_s),
             "handoff_seconds": min(g + s for g, s in zip(get_s, set_s)),
-            "copy_seconds": min(copy_s)}  # fmt: skip
+            "copy_seconds": min(copy_s), "bucket_publish_seconds": min(publish_s),
+            "ipc": device.type == "cuda",
+            "in_process_shares_module": shares_trainer_model(config, trainer)}  # fmt: skip
 
 
 def run_measurement(part: str, args: argparse.Namespace) -> dict:
@@ -350,8 +389,8 @@ def measure(part: str, args: argparse.Namespace) -> dict:
     shape = SHAPES["tiny" if args.small else "qwen2.5-0.5b"]
     out = args.out / part
     out.mkdir(parents=True, exist_ok=True)
-    if part == "model":
-        return measure_model(shape, device, out)
+    if part in ("model", "model-async"):
+        return measure_model(shape, device, out, "sync" if part == "model" else "async")
     if part == "sampling":
         return measure_sampling(shape, device)
     return measure_handoff(shape, device)
@@ -403,6 +442,16 @@ def model_row(r: dict, shape: Shape) -> tuple[str, str]:
     return label, text
 
 
+def model_async_row(r: dict, sync: dict | str | None) -> tuple[str, str]:
+    text = (f"{r['samples_per_s']:.0f} samples/s, trainer idle {r['idle_share']:.0%} of its "
+            f"steps, staleness {r['staleness_steps_mean'] or 0:.1f} steps on average, "
+            f"{r['fresh_groups']:.0%} fresh groups; {step_text(r['step'], 'waiting')}")  # fmt: skip
+    if isinstance(sync, dict):
+        text += (f"; synchronous: {sync['samples_per_s']:.0f} samples/s, trainer idle "
+                 f"{sync['idle_share']:.0%} (generating)")  # fmt: skip
+    return "the same model, asynchronous, 2 searchers (Ray actors) on the trainer's device", text
+
+
 SAMPLERS = {
     "loop": "tba loop", "static": "tba static cache", "compiled": "tba compiled",
     "hf": "HF `generate`", "hf-static": "HF static cache + `torch.compile`",
@@ -431,10 +480,15 @@ def sampling_row(r: dict) -> tuple[str, str]:
 
 def handoff_row(r: dict) -> tuple[str, str]:
     size = f"{r['bytes'] / 1e9:.3g} GB" if r["bytes"] >= 1e8 else f"{r['bytes'] / 1e6:.3g} MB"
+    shared = "CUDA IPC" if r["ipc"] else "shared memory"
+    module = "samples with the trainer's module (no hand-off)" if r["in_process_shares_module"] \
+        else "loads its own copy (a hand-off each step)"  # fmt: skip
     return (f"weight hand-off of {size}",
-            f"`get_weights` + `set_weights` {r['handoff_seconds']:.3g} s (get "
-            f"{r['get_seconds']:.3g}, set {r['set_seconds']:.3g}); device-to-device copy "
-            f"{r['copy_seconds']:.2g} s")  # fmt: skip
+            f"through host memory (`get_weights` + `set_weights`) {r['handoff_seconds']:.3g} s "
+            f"(get {r['get_seconds']:.3g}, set {r['set_seconds']:.3g}); device-to-device copy "
+            f"{r['copy_seconds']:.2g} s; the trainer's publish into its shared buckets ({shared} "
+            f"to searchers beside it) {r['bucket_publish_seconds']:.2g} s; the synchronous "
+            f"in-process searcher {module}")  # fmt: skip
 
 
 def report(results: dict, args: argparse.Namespace) -> str:
@@ -466,6 +520,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
             rows.append(embedded_row(part, r))
         elif part == "model":
             rows.append(model_row(r, shape))
+        elif part == "model-async":
+            rows.append(model_async_row(r, results.get("model")))
         elif part == "sampling":
             rows.append(sampling_row(r))
         else:
@@ -504,7 +560,7 @@ def run_parts(parts: list[str], args: argparse.Namespace) -> dict:
         results["base_policy"] = base_policy(args.small, args.out)
         seconds["base_policy"] = time.time() - start
     for part in parts:
-        if part == "async" and importlib.util.find_spec("ray") is None:
+        if part in ("async", "model-async") and importlib.util.find_spec("ray") is None:
             results[part] = "skipped: Ray is not installed (`pip install ray`)"
             print(f"async: {results[part]}", flush=True)
             continue
@@ -538,7 +594,7 @@ def main() -> None:
         "--small", action="store_true", help="tiny shapes and short runs (a CPU: under 3 minutes)"
     )
     parser.add_argument(
-        "--minutes", type=float, help="training per embedded run (default: 2.5; with --small 0.4)"
+        "--minutes", type=float, help="training per embedded run (default: 2; with --small 0.4)"
     )
     parser.add_argument(
         "--device",
@@ -547,7 +603,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("runs/gpu"), help="output directory")
     parser.add_argument(
-        "--measure", choices=["model", "sampling", "handoff"], help=argparse.SUPPRESS
+        "--measure", choices=["model", "model-async", "sampling", "handoff"],
+        help=argparse.SUPPRESS,
     )  # one part in this process (internal)
     args = parser.parse_args()
     if args.measure:
@@ -557,7 +614,7 @@ def main() -> None:
     if unknown := [part for part in parts if part not in PARTS]:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     if args.minutes is None:
-        args.minutes = 0.4 if args.small else 2.5
+        args.minutes = 0.4 if args.small else 2.0
     if args.small:
         torch.set_num_threads(1)  # (the tiny base policy built here)
     args.out.mkdir(parents=True, exist_ok=True)

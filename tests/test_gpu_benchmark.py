@@ -36,12 +36,31 @@ def test_the_parts_run_small_and_the_table_comes_last(tmp_path):
     for method in ("loop", "static", "hf"):  # on a CPU; on a GPU also the compiled ones
         assert results["sampling"][method]["tokens_per_s"] > 0
     assert results["sampling"]["roofline"]["tokens_per_s"] > 0
-    assert results["handoff"]["handoff_seconds"] > 0 and results["handoff"]["copy_seconds"] > 0
+    handoff = results["handoff"]
+    assert handoff["handoff_seconds"] > 0 and handoff["copy_seconds"] > 0
+    assert handoff["bucket_publish_seconds"] > 0 and handoff["ipc"] is False
+    assert handoff["in_process_shares_module"] is True
     table = (tmp_path / "gpu.md").read_text()
     assert done.stdout.rstrip().endswith(table.rstrip())
     rows = [line for line in table.splitlines() if line.startswith("| ") and "|---" not in line]
     for what in ("embedded math", "TBATrainer", "sampling", "hand-off"):
         assert any(what in row for row in rows), what
+
+
+@pytest.mark.slow
+def test_the_asynchronous_model_part_runs_small_beside_the_synchronous_one(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.gpu", "--small", "--parts", "model,model-async",
+               "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    sync, run = results["model"], results["model-async"]
+    assert sync["mode"] == "sync" and run["mode"] == "async"
+    assert run["steps_averaged"] >= 1 and run["samples_per_s"] > 0
+    assert 0 <= run["idle_share"] <= 1 and run["staleness_steps_mean"] is not None
+    table = (tmp_path / "gpu.md").read_text()
+    assert "asynchronous, 2 searchers (Ray actors) on the trainer's device" in table
+    assert "synchronous: " in table
 
 
 def test_help_lists_the_parts(monkeypatch, capsys):
