@@ -194,9 +194,13 @@ class SearcherActor:
         if self._reader is not None:  # the newest whole version out of the shared buckets
             copied = self._reader.copy_newest(newer_than=self.searcher.version)
         elif self._receiver is not None and self._receiver.error is not None:
-            # Cannot join the group, or it broke: said in the reports, the trainer sends copies.
+            # Cannot join the group, or it broke: said in the reports, the trainer then sends
+            # copies; until one comes, the weights it has (asynchronous mode: synchronous mode
+            # must generate with the version offered, and fails below without it).
             self.weight_transfer, self.weight_transfer_why = "object_store", self._receiver.error
             self._receiver = None
+            if offer is not None and offer[2] is None and not exact:
+                return
         elif self._receiver is not None:  # the newest version the trainer's broadcast staged
             offered = offer[0] if offer is not None else -1
             # A searcher that has received nothing yet waits for its first weights, as one

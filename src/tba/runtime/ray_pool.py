@@ -218,14 +218,13 @@ class RaySearchers(AsyncSearchers):
         map the buckets nor join their broadcast, or it has not said yet and may not be able to
         (`auto`: anywhere but in shared memory on this machine, which every local searcher
         maps)."""
-        if self._buckets is None:
+        mode = self.config.searchers.weight_transfer
+        if self._buckets is None or (slot.transfer == "object_store" and mode != "shared"):
             return True
-        if self.config.searchers.weight_transfer in ("shared", "broadcast"):
-            return False
-        if slot.transfer in ("shared", "broadcast"):
+        if mode in ("shared", "broadcast") or slot.transfer in ("shared", "broadcast"):
             return False
         local = cluster_address(self.config) is None and self._buckets.device.type == "cpu"
-        return slot.transfer == "object_store" or not local
+        return not local
 
     def _offer(self, slot: _Slot) -> tuple[int, int, list, dict[str, Any] | None]:
         """The latest version as this searcher takes it: (version, step, [ObjectRef or None],

@@ -95,7 +95,7 @@ class BroadcastHub:
 
     def handles(self) -> dict[str, Any]:
         """What a searcher joins with: small and picklable."""
-        return {"host": self.host, "port": self.store.port,
+        return {"host": self.host, "port": self.store.port, "device": self.buckets.device.type,
                 "entries": [(e.name, e.dtype, e.offset, e.shape, e.alias_of)
                             for e in self.buckets.entries]}  # fmt: skip
 
@@ -168,8 +168,9 @@ class BroadcastReceiver:
         target = published_state(model)
         check_layout(self.entries, target)
         device = next(iter(target.values())).device
-        self.backend = "nccl" if device.type == "cuda" and torch.distributed.is_nccl_available() \
-            else "gloo"  # fmt: skip
+        # NCCL where both ends are GPUs; gloo otherwise (it reads and writes GPU tensors too).
+        both_gpus = device.type == "cuda" and handles["device"] == "cuda"
+        self.backend = "nccl" if both_gpus and dist.is_nccl_available() else "gloo"
         self._on_wire = device if self.backend == "nccl" else torch.device("cpu")
         sizes: dict[str, int] = {}
         for entry in self.entries:
