@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tba.config import LoraConfig, load_config
+from tba.errors import RunError
 from tba.policy.model import add_lora, get_weights, published_state, set_weights
 from tba.runtime.weight_broadcast import BroadcastHub, BroadcastReceiver
 from tba.runtime.weight_buckets import (
@@ -372,6 +373,42 @@ def test_a_searcher_that_cannot_join_says_why(tiny_model):
             **(tiny_model.config.to_dict() | {"num_hidden_layers": 1})))  # fmt: skip
         with pytest.raises(CannotAttach, match="laid out unlike"):
             BroadcastReceiver(hub.handles(), other, "other", join_timeout_s=1)
+    finally:
+        hub.close()
+        buckets.close()
+
+
+def test_a_searcher_whose_broadcast_group_fails_falls_back_to_the_object_store(
+    tmp_path, tiny_model, tokenizer
+):
+    """Asynchronous: it says so in its reports and keeps its weights until a copy comes;
+    synchronous (which must have the version offered): one line saying why."""
+    from tba.runtime.ray_actor import SearcherActor
+    from tba.searcher import SearchSettings
+
+    tiny_model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    buckets = WeightBuckets(tiny_model)
+    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    try:
+        buckets.publish(1, step=0)
+        unreachable = buckets.handles() | {"broadcast": hub.handles() | {"port": 1},
+                                           "only": "broadcast"}  # fmt: skip
+        for exact in (False, True):
+            worker = SearcherActor(
+                str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one],
+                SearchSettings.from_config(load_config(None, ["policy.max_new_tokens=2"])),
+                searcher_id=0, seed=0, device="cpu", num_threads=1, weights_timeout_s=5,
+            )  # fmt: skip
+            worker.offer_weights(1, 0, [None], unreachable)
+            if exact:
+                with pytest.raises(RunError, match="broadcast group.*object_store"):
+                    worker._adopt_offered_weights(exact=True)
+            else:
+                worker._adopt_offered_weights()
+                assert worker.searcher.version == 0  # its weights, until a copy comes
+            assert worker.weight_transfer == "object_store"
+            assert "the trainer's broadcast group" in worker.weight_transfer_why
     finally:
         hub.close()
         buckets.close()

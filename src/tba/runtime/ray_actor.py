@@ -190,30 +190,24 @@ class SearcherActor:
         if handles is not None:
             self._attach(handles)
         start = time.time()
-        copied = None
+        copied, fell_back = None, False
+        if self._receiver is not None:
+            copied = self._copy_broadcast(offer, exact)
+            if self._receiver.error is not None:  # cannot join the group, or it broke
+                self.weight_transfer, self.weight_transfer_why = "object_store", \
+                    self._receiver.error  # fmt: skip
+                self._receiver, fell_back = None, True
         if self._reader is not None:  # the newest whole version out of the shared buckets
             copied = self._reader.copy_newest(newer_than=self.searcher.version)
-        elif self._receiver is not None and self._receiver.error is not None:
-            # Cannot join the group, or it broke: said in the reports, the trainer then sends
-            # copies; until one comes, the weights it has (asynchronous mode: synchronous mode
-            # must generate with the version offered, and fails below without it).
-            self.weight_transfer, self.weight_transfer_why = "object_store", self._receiver.error
-            self._receiver = None
-            if offer is not None and offer[2] is None and not exact:
-                return
-        elif self._receiver is not None:  # the newest version the trainer's broadcast staged
-            offered = offer[0] if offer is not None else -1
-            # A searcher that has received nothing yet waits for its first weights, as one
-            # given them through the object store would start with them.
-            first = self._receiver.staged[0] < 0 and offered > self.searcher.version
-            wait = offered if (exact or first) and offered > self.searcher.version else None
-            copied = self._receiver.copy_newest(
-                newer_than=self.searcher.version, wait_for=wait, timeout_s=self.weights_timeout_s)
         if copied is not None:
             self.searcher.weights_copied(*copied)
         elif offer is not None and offer[0] > self.searcher.version and self._receiver is None \
                 and self._reader is None:  # fmt: skip
             version, step, ref = offer
+            if ref is None and fell_back and not exact:
+                # The trainer sends copies once it reads the report; until one comes, the
+                # weights it has (synchronous mode must have the version offered: it fails).
+                return
             if ref is None:
                 raise RunError(
                     f"weights of version {version} were offered only through the trainer's "
@@ -225,6 +219,20 @@ class SearcherActor:
             return
         self._counters["sync_seconds"] += time.time() - start
         self._counters["weight_updates"] += 1
+
+    def _copy_broadcast(self, offer: tuple | None, exact: bool) -> tuple[int, int] | None:
+        """The newest version the trainer's broadcast staged, if newer than the model's: waited
+        for in synchronous mode (`exact`), and by a searcher that has received nothing yet (as
+        one given its weights through the object store starts with them); None also when the
+        group failed meanwhile (`self._receiver.error` says how)."""
+        behind = offer is not None and offer[0] > self.searcher.version
+        first = self._receiver.staged[0] < 0
+        wait = offer[0] if behind and (exact or first) else None
+        try:
+            return self._receiver.copy_newest(newer_than=self.searcher.version, wait_for=wait,
+                                              timeout_s=self.weights_timeout_s)  # fmt: skip
+        except RuntimeError:  # the group failed while it waited
+            return None
 
     def _attach(self, handles: dict) -> None:
         """Map the trainer's shared weight buckets; where it cannot, join its broadcast group if
