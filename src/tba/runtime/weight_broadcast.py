@@ -66,9 +66,8 @@ def _broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
     options.rootRank = 0
     for tensor in tensors:
         group.broadcast([tensor.view(torch.uint8)], options).wait()
-    for tensor in tensors[:1]:
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)  # received (or sent) before the lock goes
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)  # received (or sent) before the lock goes
 
 
 def _bucket_order(buckets: dict[str, torch.Tensor]) -> list[torch.Tensor]:
