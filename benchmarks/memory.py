@@ -37,6 +37,7 @@ import argparse
 import json
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -234,8 +235,10 @@ def measure_step(args: argparse.Namespace) -> dict:
 def quantized_qwen(config, device: torch.device, args: argparse.Namespace):
     """QLoRA: a random model of `config` saved, then loaded back as a run loads it, its linear
     layers quantized to `args.bits` (bitsandbytes quantizes while loading), with adapters. Saved
-    in memory (/dev/shm where there is one), not on disk: a 7B model is 15 GB in bf16."""
-    memory = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    in memory (/dev/shm where it holds the model), not on disk: a 7B model is 15 GB in bf16."""
+    size = parameters(config) * DTYPES[args.dtype].itemsize
+    shm = Path("/dev/shm")
+    memory = "/dev/shm" if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * size else None
     with tempfile.TemporaryDirectory(dir=memory) as directory:
         model = random_qwen(config, device, DTYPES[args.dtype])
         model.save_pretrained(directory)
