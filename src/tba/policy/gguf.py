@@ -62,7 +62,7 @@ def load_gguf_model(
     require_gguf(file, key)
     try:
         loaded = AutoModelForCausalLM.from_pretrained(
-            file.parent, gguf_file=file.name, dtype=dtype, **_dequantized()
+            file.parent, gguf_file=file.name, dtype=dtype, use_kernels=False, **_dequantized()
         )
     except Exception as error:  # unknown architecture, damaged file: one line to a user
         raise ConfigError(f"{key}: cannot load the GGUF file {file}: "

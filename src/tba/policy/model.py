@@ -128,7 +128,10 @@ def load_model(
     placement = ({"quantization_config": quantized, "device_map": {"": torch.device(device)}}
                  if quantized else {})  # fmt: skip
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placement)
+        # No Hub kernels (transformers >= 5.25 fetches them by default when `kernels` is
+        # installed): a download at load time that fails offline.
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_kernels=False,
+                                                     **placement)  # fmt: skip
     except Exception as error:  # missing, incomplete, damaged or unknown: all one line to a user
         raise ConfigError(f"cannot load a causal LM from {path}: {first_line(error)}") from None
     if not quantized:

@@ -123,6 +123,8 @@ def load_reward_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        name_or_path, dtype=dtype, use_kernels=False
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     return model.to(target).eval().requires_grad_(False), tokenizer

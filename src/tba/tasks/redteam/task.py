@@ -205,7 +205,7 @@ def _load_embedder(path: str, device: str) -> tuple[Any, Any]:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
-    model = AutoModel.from_pretrained(path).to(resolve_device(device))
+    model = AutoModel.from_pretrained(path, use_kernels=False).to(resolve_device(device))
     return model.eval(), tokenizer
 
 
