@@ -31,6 +31,7 @@ from tba.errors import ConfigError
 from tba.evaluation import EvalSettings
 from tba.policy.engines import BuiltinEngine
 from tba.policy.logprobs import token_logprobs
+from tba.policy.model import enable_checkpointing, is_checkpointing
 from tba.policy.sampling import (
     LoopSampler,
     StaticSampler,
@@ -92,6 +93,22 @@ def assert_same(out, expected, tol: float = 1e-5) -> None:
     for ours, theirs in zip(out.token_logps, expected.token_logps, strict=True):
         assert ours == pytest.approx(theirs, abs=tol)
     assert out.logps == pytest.approx(expected.logps, abs=tol)
+
+
+def test_the_compiled_sampler_runs_on_a_module_that_trains_with_checkpointing(model):
+    """In-process, the searcher samples with the trainer's own module: gradient checkpointing
+    (on by default on a GPU) must leave its decode step one graph, with the loop's tokens. The
+    embeddings keep no hook of transformers' that sets `requires_grad_` (a graph break that
+    torch 2.11's whole-graph capture refuses)."""
+    expected = generate(model, PROMPTS, eos_id=-1, pad_id=PAD, max_new_tokens=MAX_NEW,
+                        greedy=True)  # fmt: skip
+    checkpointed = tiny(model.config.model_type)  # "llama" or "qwen2"
+    enable_checkpointing(checkpointed)
+    assert is_checkpointing(checkpointed)
+    assert not checkpointed.get_input_embeddings()._forward_hooks
+    out = static_sampler(checkpointed, "compiled").generate(
+        PROMPTS, eos_id=-1, pad_id=PAD, max_new_tokens=MAX_NEW, greedy=True)
+    assert_same(out, expected)
 
 
 @pytest.mark.parametrize("kind", ["static", "compiled"])

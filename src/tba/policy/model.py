@@ -177,6 +177,10 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers also hooks the embeddings to make their output require a gradient, which only
+    # reentrant checkpointing needs, and which stops the compiled sampler's graph: removed.
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:
