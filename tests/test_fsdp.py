@@ -57,9 +57,19 @@ def settings(case: str) -> dict:
     common = dict(learning_rate=1e-2, max_grad_norm=0.5, warmup_steps=2)
     if case == "micro_batches":  # uneven shares: one rank runs a padding pass
         common |= dict(micro_batch_groups=1)
-    if case == "learned_log_z":  # its bias starts at the first micro-batch's mean: the batch's
+    if case == "learned_log_z":
         common |= dict(tb={"log_z": "learned", "log_z_lr": 0.1})
     return dict(settings=TrainConfig(**common), pad_id=0, temperature=1.0)
+
+
+def start_log_z(trainer, case: str) -> None:
+    """The learned log Z from a fixed bias, not from the first batch's mean: right after that
+    start its bias's gradient is zero in exact arithmetic, and Adam turns the rounding of a mean
+    summed in another order (all-reduced over ranks) into a step of +-log_z_lr of either sign."""
+    if case == "learned_log_z":
+        with torch.no_grad():
+            trainer.log_z_head.head.bias.fill_(-8.0)
+        trainer.log_z_head.ready = True
 
 
 def train_steps(trainer, steps: range, rank: int | None = None, world: int = 1) -> list[dict]:
@@ -84,6 +94,7 @@ def rank_main(rank: int, world: int, work: str, case: str, plan: list) -> None:
                             rank=rank, world_size=world)  # fmt: skip
     param_dtype = torch.bfloat16 if case == "bf16_compute" else None
     trainer = ShardedTrainer(make_model(), param_dtype=param_dtype, **settings(case))
+    start_log_z(trainer, case)
     out = []
     for action, first, last, directory in plan:
         if action == "train":
@@ -120,6 +131,7 @@ def one_process(case: str, steps: range) -> tuple[list[dict], dict[str, np.ndarr
     of the full learning rate."""
     torch.manual_seed(0)
     trainer = Trainer(make_model(), **settings(case))
+    start_log_z(trainer, case)
     with mock.patch.object(logprobs, "output_layer", lambda model: None):
         return train_steps(trainer, steps), get_weights(trainer.model)
 

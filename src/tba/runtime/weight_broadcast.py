@@ -212,12 +212,19 @@ class BroadcastReceiver:
                     timeout_s: float = 0.0) -> tuple[int, int] | None:  # fmt: skip
         """Copy the newest staged version into the model if it is newer than `newer_than`:
         (version, step) copied, or None. With `wait_for`, first wait (at most `timeout_s`, then
-        TimeoutError) until that version or a newer one is staged."""
+        TimeoutError; RuntimeError, with `error` set, if the group is not even joined by then)
+        until that version or a newer one is staged."""
         with self._staged:
             if wait_for is not None:
                 arrived = self._staged.wait_for(
                     lambda: self.staged[0] >= wait_for or self.error is not None, timeout_s)
                 if self.error is not None:
+                    raise RuntimeError(self.error)
+                if not arrived and not self.joined.is_set():
+                    # Still joining (a TCPStore retries until its own, longer, timeout): as
+                    # good as a failed group to a caller that cannot wait longer.
+                    self.error = (f"the trainer's broadcast group: not joined within "
+                                  f"{timeout_s:g} s")  # fmt: skip
                     raise RuntimeError(self.error)
                 if not arrived:
                     raise TimeoutError(f"version {wait_for} has not arrived through the "
