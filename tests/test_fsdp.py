@@ -57,7 +57,7 @@ def settings(case: str) -> dict:
     common = dict(learning_rate=1e-2, max_grad_norm=0.5, warmup_steps=2)
     if case == "micro_batches":  # uneven shares: one rank runs a padding pass
         common |= dict(micro_batch_groups=1)
-    if case == "learned_log_z":
+    if case.startswith("learned_log_z"):
         common |= dict(tb={"log_z": "learned", "log_z_lr": 0.1})
     return dict(settings=TrainConfig(**common), pad_id=0, temperature=1.0)
 
@@ -162,6 +162,15 @@ def test_two_ranks_train_as_one_process_does(tmp_path, case):
     total = sum(w.nbytes for w in single_weights.values())
     assert 0.4 * total < held["parameters"] < 0.6 * total
     assert 0.8 * total < held["optimizer"] < 1.2 * total
+
+
+def test_a_learned_log_z_starts_at_the_mean_over_every_rank(tmp_path):
+    """Its bias starts at the whole batch's mean however the batch is split: the first step is one
+    process's (after it, see `start_log_z`)."""
+    case = "learned_log_z_from_mean"
+    sharded = run_ranks(2, tmp_path, case, [("train", 0, 1, None)])[0]
+    single_stats, _ = one_process(case, range(1))
+    assert_same_training(sharded["stats"], single_stats, 1e-5)
 
 
 def test_bf16_compute_keeps_fp32_masters_and_publishes_bf16(tmp_path):
