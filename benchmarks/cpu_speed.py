@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engines import measure_decode
 from tba.config import PretrainConfig, TrainConfig
 from tba.core import Sample
 from tba.policy.model import load_policy
 from tba.policy.sampling import LoopSampler
-from tba.policy.static_sampling import StaticSampler
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.tasks import resolve_policy
@@ -60,36 +60,36 @@ def chat_prompts(tokenizer, count: int, chat: bool) -> list[list[int]]:
             for row in rows]  # fmt: skip
 
 
-def best_of(repeats: int, work) -> tuple[float, object]:
-    """(seconds of the fastest of `repeats` calls after a warm-up one, its result)."""
+def best_seconds(repeats: int, work) -> float:
+    """Seconds of the fastest of `repeats` calls of `work` after a warm-up one."""
     work()
     timings = []
     for _ in range(repeats):
         start = time.perf_counter()
-        result = work()
-        timings.append((time.perf_counter() - start, result))
-    return min(timings, key=lambda pair: pair[0])
+        work()
+        timings.append(time.perf_counter() - start)
+    return min(timings)
 
 
-def measure_generation(model, tokenizer, prompts, sampler: str, args) -> tuple[dict, object]:
+def measure_generation(model, tokenizer, rows, sampler: str, args) -> dict:
+    """tokens/s and samples/s of `benchmarks.engines`' measurement (a warm-up, best of R)."""
+    result = measure_decode(sampler, model, rows, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                            args)  # fmt: skip
+    return {"tokens_per_s": result["tokens_per_s"],
+            "samples_per_s": result["tokens_per_s"] / result["tokens_per_sample"]}  # fmt: skip
+
+
+def sample_batch(model, tokenizer, rows, args):
+    """The responses a train step trains on, sampled once."""
+    with torch.no_grad():
+        return LoopSampler(model).generate(
+            rows, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+            generator=torch.Generator().manual_seed(0), max_new_tokens=args.max_new_tokens)
+
+
+def measure_train(model, tokenizer, prompts, args) -> dict:
     rows = [p for p in prompts for _ in range(args.group_size)]
-    generator = torch.Generator().manual_seed(0)
-    engine = LoopSampler(model) if sampler == "loop" else StaticSampler(
-        model, compile=sampler == "compiled")  # fmt: skip
-
-    def generate():
-        with torch.no_grad():
-            return engine.generate(rows, eos_id=tokenizer.eos_token_id,
-                                   pad_id=tokenizer.pad_token_id, generator=generator,
-                                   max_new_tokens=args.max_new_tokens)  # fmt: skip
-
-    seconds, out = best_of(args.repeats, generate)
-    tokens = sum(len(ids) for ids in out.response_ids)
-    return {"tokens_per_s": tokens / seconds, "samples_per_s": len(rows) / seconds}, out
-
-
-def measure_train(model, tokenizer, prompts, out, args) -> dict:
-    rows = [p for p in prompts for _ in range(args.group_size)]
+    out = sample_batch(model, tokenizer, rows, args)
     groups = [[Sample(i // args.group_size, rows[i], list(out.response_ids[i]),
                       reward=float(i % 2), ref_logp=float(out.logps[i]),
                       behaviour_logp=float(out.logps[i]), version=0,
@@ -98,7 +98,7 @@ def measure_train(model, tokenizer, prompts, out, args) -> dict:
               for g in range(len(prompts))]  # fmt: skip
     trainer = Trainer(model.train(), TrainConfig(learning_rate=1e-7),
                       pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
-    seconds, _ = best_of(args.repeats, lambda: trainer.step(groups, beta=0.05))
+    seconds = best_seconds(args.repeats, lambda: trainer.step(groups, beta=0.05))
     model.eval()
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g)
     return {"train_tokens_per_s": tokens / seconds, "step_seconds": seconds}
@@ -127,27 +127,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"tokens, best of {args.repeats} after a warm-up\n")  # fmt: skip
     print("| what | policy.dtype | policy.sampler | threads | tokens/s | samples/s |")
     print("| --- | --- | --- | --- | --- | --- |")
-    rows, outputs = [], {}
+    results, batch = [], [p for p in prompts for _ in range(args.group_size)]
     threads = torch.get_num_threads()
     for dtype, sampler, count in SETTINGS:
         if sampler not in args.samplers or count > threads:
             continue
         torch.set_num_threads(count)
         model = load_policy(path, "cpu", dtype=dtype).eval()
-        result, out = measure_generation(model, tokenizer, prompts, sampler, args)
-        outputs.setdefault(dtype, out)
-        rows.append({"what": "generation", "dtype": dtype, "sampler": sampler, "threads": count,
-                     **result})  # fmt: skip
+        result = measure_generation(model, tokenizer, batch, sampler, args)
+        results.append({"what": "generation", "dtype": dtype, "sampler": sampler,
+                        "threads": count, **result})  # fmt: skip
         print(f"| generation | {dtype} | {sampler} | {count} | {result['tokens_per_s']:.0f} | "
               f"{result['samples_per_s']:.2f} |", flush=True)  # fmt: skip
     torch.set_num_threads(threads)
-    for dtype, out in outputs.items():
+    for dtype in dict.fromkeys(dtype for dtype, _, _ in SETTINGS):
         model = load_policy(path, "cpu", dtype=dtype)
-        result = measure_train(model, tokenizer, prompts, out, args)
-        rows.append({"what": "train step", "dtype": dtype, "threads": threads, **result})
+        result = measure_train(model, tokenizer, prompts, args)
+        results.append({"what": "train step", "dtype": dtype, "threads": threads, **result})
         print(f"| train step | {dtype} | | {threads} | {result['train_tokens_per_s']:.0f} | "
               f"({result['step_seconds']:.1f} s a step) |", flush=True)  # fmt: skip
-    return rows
+    return results
 
 
 if __name__ == "__main__":

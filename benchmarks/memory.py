@@ -238,7 +238,7 @@ def quantized_qwen(config, device: torch.device, args: argparse.Namespace):
     in memory (/dev/shm where it holds the model), not on disk: a 7B model is 15 GB in bf16."""
     size = parameters(config) * DTYPES[args.dtype].itemsize
     shm = Path("/dev/shm")
-    memory = "/dev/shm" if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * size else None
+    memory = str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * size else None
     with tempfile.TemporaryDirectory(dir=memory) as directory:
         model = random_qwen(config, device, DTYPES[args.dtype])
         model.save_pretrained(directory)
