@@ -6,7 +6,10 @@ under each setting that decides a CPU's speed.
   shared by its K samples), per (policy.dtype, policy.sampler, torch threads): tokens/s and
   samples/s, best of R after a warm-up (which compiles, for `compiled`);
 - train step: one TB step on those samples, per policy.dtype (fp32 master weights either way):
-  train tokens/s (prompt and response), best of R after a warm-up.
+  train tokens/s (prompt and response), best of R after a warm-up;
+- the draw of one decode step's tokens from B x K rows of logits over the whole vocabulary:
+  `torch.multinomial` (one random number a vocabulary entry) against `draw_tokens` (one a row,
+  what both samplers use), median milliseconds.
 
 bf16 pays on a CPU only where it multiplies bf16 natively (AVX512-BF16 or AMX): the table says
 which instructions this CPU has.
@@ -18,6 +21,7 @@ which instructions this CPU has.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -26,9 +30,10 @@ import torch
 from benchmarks.engines import measure_decode
 from tba.config import PretrainConfig, TrainConfig
 from tba.core import Sample
+from tba.policy.decoding import draw_tokens, log_probs_at
 from tba.policy.model import load_policy
 from tba.policy.sampling import LoopSampler
-from tba.policy.tokenizer import load_tokenizer
+from tba.policy.tokenizer import encode_prompts, load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.tasks import resolve_policy
 from tba.tasks.math.task import math_task
@@ -53,11 +58,7 @@ def cpu_flags() -> str:
 
 def chat_prompts(tokenizer, count: int, chat: bool) -> list[list[int]]:
     rows = math_task(num_train=count, num_eval=1, seed=0).train_rows
-    if not chat:
-        return [tokenizer(row["prompt"])["input_ids"] for row in rows]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
-                                          add_generation_prompt=True, tokenize=True)
-            for row in rows]  # fmt: skip
+    return encode_prompts(tokenizer, [row["prompt"] for row in rows], chat_template=chat)
 
 
 def best_seconds(repeats: int, work) -> float:
@@ -87,6 +88,28 @@ def sample_batch(model, tokenizer, rows, args):
             generator=torch.Generator().manual_seed(0), max_new_tokens=args.max_new_tokens)
 
 
+def measure_draw(rows: int, vocab_size: int, repeats: int = 20) -> dict:
+    """Median ms of one step's draw from `rows` x `vocab_size` logits: `torch.multinomial`
+    against `draw_tokens` (the log-softmax before either is left out: both need it)."""
+    generator = torch.Generator().manual_seed(0)
+    log_probs = log_probs_at(torch.randn(rows, vocab_size, generator=generator), 1.0)
+    draws = {
+        "torch.multinomial": lambda: torch.multinomial(log_probs.exp(), 1, generator=generator),
+        "draw_tokens": lambda: draw_tokens(log_probs, torch.rand(
+            (rows, 1), dtype=torch.float64, generator=generator)),
+    }  # fmt: skip
+    result = {}
+    for name, draw in draws.items():
+        draw()
+        timings = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            draw()
+            timings.append(time.perf_counter() - start)
+        result[name] = 1e3 * statistics.median(timings)
+    return result
+
+
 def measure_train(model, tokenizer, prompts, args) -> dict:
     rows = [p for p in prompts for _ in range(args.group_size)]
     out = sample_batch(model, tokenizer, rows, args)
@@ -113,6 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--small", action="store_true", help="the built-in policy, tiny batch")
     parser.add_argument("--samplers", nargs="+", default=["loop", "static", "compiled"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args(argv)
     if args.small:
         args.model, args.num_prompts, args.group_size, args.max_new_tokens = "builtin:math", 2, 2, 8
@@ -130,7 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results, batch = [], [p for p in prompts for _ in range(args.group_size)]
     threads = torch.get_num_threads()
     for dtype, sampler, count in SETTINGS:
-        if sampler not in args.samplers or count > threads:
+        if sampler not in args.samplers or dtype not in args.dtypes or count > threads:
             continue
         torch.set_num_threads(count)
         model = load_policy(path, "cpu", dtype=dtype).eval()
@@ -140,12 +164,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| generation | {dtype} | {sampler} | {count} | {result['tokens_per_s']:.0f} | "
               f"{result['samples_per_s']:.2f} |", flush=True)  # fmt: skip
     torch.set_num_threads(threads)
-    for dtype in dict.fromkeys(dtype for dtype, _, _ in SETTINGS):
+    for dtype in args.dtypes:
         model = load_policy(path, "cpu", dtype=dtype)
         result = measure_train(model, tokenizer, prompts, args)
         results.append({"what": "train step", "dtype": dtype, "threads": threads, **result})
         print(f"| train step | {dtype} | | {threads} | {result['train_tokens_per_s']:.0f} | "
               f"({result['step_seconds']:.1f} s a step) |", flush=True)  # fmt: skip
+    vocab_size = load_policy(path, "cpu").get_output_embeddings().out_features
+    draw = measure_draw(len(batch), vocab_size)
+    results.append({"what": "draw", "rows": len(batch), "vocab_size": vocab_size, **draw})
+    print(f"\nA decode step's draw from {len(batch)} x {vocab_size:,} logits ({threads} threads, "
+          "median ms): " + ", ".join(f"{name} {ms:.1f}" for name, ms in draw.items()))
     return results
 
 

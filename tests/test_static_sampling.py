@@ -29,6 +29,7 @@ from transformers import (
 from tba.config import load_config
 from tba.errors import ConfigError
 from tba.evaluation import EvalSettings
+from tba.policy.decoding import draw_tokens
 from tba.policy.engines import BuiltinEngine
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import enable_checkpointing, is_checkpointing
@@ -204,22 +205,33 @@ def chi_squared(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(statistic), int(keep.sum()) - 1
 
 
-def test_the_exponential_race_draws_from_the_softmax():
+def test_the_inverse_transform_draws_from_the_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -6.0, 3.0])
     rows, temperature = 40_000, torch.tensor(0.8)
     generator = torch.Generator().manual_seed(0)
-    noise = torch.empty((rows, len(logits)), dtype=torch.float64).exponential_(generator=generator)
-    done = torch.zeros(rows, dtype=torch.bool)
-    token, logp, _ = pick_tokens(logits.expand(rows, -1), noise, done, temperature, -1, PAD)
+    uniform = torch.rand((rows, 1), dtype=torch.float64, generator=generator)
+    done, sample = torch.zeros(rows, dtype=torch.bool), torch.tensor(False)
+    token, logp, _ = pick_tokens(logits.expand(rows, -1), uniform, sample, done, temperature, -1,
+                                 PAD)  # fmt: skip
     probs = torch.softmax(logits / 0.8, -1)
     statistic, df = chi_squared(torch.bincount(token, minlength=len(logits)), probs)
     assert statistic < chi_squared_threshold(df)
     assert torch.allclose(logp, probs.log()[token])
-    # Noise of ones: the argmax; a done row: padding with log-prob 0.
-    ones = torch.ones((2, len(logits)), dtype=torch.float64)
-    token, logp, now_done = pick_tokens(logits.expand(2, -1), ones, torch.tensor([False, True]),
-                                        temperature, 7, PAD)  # fmt: skip
+    # The greedy flag: the argmax whatever the numbers; a done row: padding with log-prob 0.
+    zeros = torch.zeros((2, 1), dtype=torch.float64)
+    token, logp, now_done = pick_tokens(logits.expand(2, -1), zeros, torch.tensor(True),
+                                        torch.tensor([False, True]), temperature, 7,
+                                        PAD)  # fmt: skip
     assert token.tolist() == [7, PAD] and logp[1] == 0 and now_done.tolist() == [True, True]
+
+
+def test_a_token_owns_exactly_its_probabilitys_share_of_the_uniform_numbers():
+    # p = (0, 1e-12, 0.5 - 1e-12, 0, 0.5): the float64 cumulative sum gives the 1e-12 token its
+    # own sliver, tokens of probability 0 none (not even at u = 0), and u just below 1 the last.
+    probs = torch.tensor([0.0, 1e-12, 0.5 - 1e-12, 0.0, 0.5], dtype=torch.float64)
+    log_probs = probs.log().float().expand(5, -1)
+    uniform = torch.tensor([[0.0], [0.5e-12], [2e-12], [0.75], [1 - 1e-16]], dtype=torch.float64)
+    assert draw_tokens(log_probs, uniform).tolist() == [1, 1, 2, 4, 4]
 
 
 def test_the_samplers_first_tokens_follow_the_models_softmax(model):
@@ -323,7 +335,7 @@ def test_the_buckets_kept_are_bounded_and_the_rest_freed(model, kind):
         assert len(sampler.buckets) <= 3
         shape = bucket(rows, 3 + max_new)
         assert next(reversed(sampler.buckets)) == shape  # allocated and used last
-        freed.append(weakref.ref(sampler.buckets[shape].noise))
+        freed.append(weakref.ref(sampler.buckets[shape].mask))
     gc.collect()
     assert [ref() is None for ref in freed] == [True] * 4 + [False] * 3
     c = model.config
@@ -331,7 +343,7 @@ def test_the_buckets_kept_are_bounded_and_the_rest_freed(model, kind):
     head_dim = c.hidden_size // c.num_attention_heads
     for (rows, length), b in sampler.buckets.items():
         cache = 2 * layers * rows * kv_heads * head_dim * length * 4  # float32
-        assert b.nbytes == cache + rows * VOCAB * 8 + rows * length * 20 + rows * 17 + 4
+        assert b.nbytes == cache + rows * length * 20 + rows * 25 + 5
     with pytest.raises(ValueError, match="max_buckets=0"):
         StaticSampler(model, compile=False, max_buckets=0)
 

@@ -4,26 +4,24 @@ fixed shapes into a static KV cache, without a host synchronisation per token.
 Hugging Face's `StaticCache` and every buffer a decode step reads or writes are allocated once
 per bucket of rows and positions (`bucket`), so that every decode step in a bucket has the same
 shapes; `compiled` runs that step through `torch.compile` (on CUDA with CUDA graphs,
-"reduce-overhead"), compiled once per bucket. Tokens are drawn on the device from noise drawn with
-the caller's generator (the exponential race, `pick_tokens`), and whether all rows are done is
-read every `check_every` steps: nothing else waits for the device until the end.
+"reduce-overhead"), compiled once per bucket. Tokens are drawn on the device from uniform
+numbers drawn with the caller's generator (one a row, `pick_tokens`), and whether all rows are
+done is read every `check_every` steps: nothing else waits for the device until the end.
 
 What a bucket of R rows and L positions holds (`StaticBuffers.nbytes`):
 
 - the KV cache: 2 (keys and values) x layers x R x kv_heads x head_dim x L x bytes per element;
-- the noise of one draw: R x vocabulary x 8 bytes (float64, see `pick_tokens`);
-- the mask, tokens and log-probs: R x L x 20 bytes.
+- the mask, tokens and log-probs: R x L x 20 bytes (and R x 8 bytes of uniform numbers).
 
-Qwen2.5-0.5B in bfloat16 (24 layers, 2 KV heads of 64, 151,936 tokens) at 128 rows x 384
-positions: 576 MiB of cache and 148 MiB of noise. A sampler keeps at most `max_buckets` of them
-(default 2), so it holds at most `max_buckets` x its largest bucket. A generation runs in the
-smallest kept bucket with enough rows and positions (its rows first; the others run as padding,
-done from the start) and draws its noise for the rows of its own bucket only: from a seeded
-generator it samples what it would in a bucket of its own (on a CPU bit for bit; a GPU's kernels
-may round differently at another shape, as they do between the loop and this path). Only when
-no kept bucket fits is one allocated, after the least recently used beyond the bound are freed.
-What `torch.compile` keeps per shape (code; on CUDA its graphs and their memory pool) is not
-freed with a bucket.
+Qwen2.5-0.5B in bfloat16 (24 layers, 2 KV heads of 64) at 128 rows x 384 positions: 576 MiB of
+cache. A sampler keeps at most `max_buckets` of them (default 2), so it holds at most `max_buckets`
+x its largest bucket. A generation runs in the smallest kept bucket with enough rows and positions
+(its rows first; the others run as padding, done from the start) and draws its uniform numbers for
+the rows of its own bucket only: from a seeded generator it samples what it would in a bucket of its
+own (on a CPU bit for bit; a GPU's kernels may round differently at another shape, as they do
+between the loop and this path). Only when no kept bucket fits is one allocated, after the least
+recently used beyond the bound are freed. What `torch.compile` keeps per shape (code; on CUDA its
+graphs and their memory pool) is not freed with a bucket.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ from tba.policy.decoding import (
     Generation,
     Prefill,
     decode_loop,
+    draw_tokens,
     evaluating,
     log_probs_at,
     next_logits,
@@ -56,24 +55,20 @@ from tba.policy.quantization import is_quantized
 
 def pick_tokens(
     logits: torch.Tensor,
-    noise: torch.Tensor,
+    uniform: torch.Tensor,
+    greedy: torch.Tensor,
     done: torch.Tensor,
     temperature: torch.Tensor,
     eos_id: int,
     pad_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every row's next token, its log-prob and whether the row is now done, on the device.
-
-    The exponential race: with E_i ~ Exp(1) independent, P(argmax_i p_i / E_i = j) = p_j, so
-
-        token = argmax_i  log p_i - log E_i,    p = softmax(logits / temperature)
-
-    is an exact draw from p (the Gumbel-max trick, with Gumbel noise -log E). `noise` holds the
-    E_i (float64: in float32 the smallest draws are so coarse that tokens below ~1e-7 could never
-    win); noise of ones makes it the greedy argmax. Done rows are settled as in the loop.
-    """
+    """Every row's next token, its log-prob and whether the row is now done, on the device: the
+    loop's draw (`draw_tokens` from ``p = softmax(logits / temperature)`` with the row's number
+    of ``uniform``, (rows, 1) float64), or where the 0-d ``greedy`` flag is set the argmax (a
+    flag, not a Python branch: one compiled step serves both). Done rows are settled as in the
+    loop."""
     log_probs = log_probs_at(logits, temperature)
-    token = (log_probs - noise.log()).argmax(-1)
+    token = torch.where(greedy, log_probs.argmax(-1), draw_tokens(log_probs, uniform))
     return settle(log_probs, token, done, eos_id, pad_id)
 
 
@@ -94,14 +89,16 @@ def bucket(batch_size: int, length: int) -> tuple[int, int]:
 class StaticBuffers:
     """Everything a decode step of one bucket reads and writes, allocated once: the KV cache,
     the attention mask over all of its positions, each row's last token, position and done flag,
-    the noise of the next draw, the temperature, and the tokens and log-probs generated so far."""
+    the uniform numbers of the next draw (or the greedy flag), the temperature, and the tokens
+    and log-probs generated so far."""
 
     cache: Any  # transformers.StaticCache
     mask: torch.Tensor  # (rows, positions): the prompt's padding 0, everything after it 1
     token: torch.Tensor  # (rows,)
     position: torch.Tensor  # (rows,) the position of `token`
     done: torch.Tensor  # (rows,)
-    noise: torch.Tensor  # (rows, vocabulary) float64
+    uniform: torch.Tensor  # (rows, 1) float64
+    greedy: torch.Tensor  # () bool
     temperature: torch.Tensor  # ()
     tokens: torch.Tensor  # (rows, positions)
     logps: torch.Tensor  # (rows, positions)
@@ -110,21 +107,22 @@ class StaticBuffers:
     def allocate(cls, p: Prefill, rows: int, length: int, config: Any) -> StaticBuffers:
         """For `rows` rows of `length` positions, with the heads, dtype and device of the
         prefill's cache and the vocabulary of its logits."""
-        device, vocab_size = p.logits.device, p.logits.size(-1)
+        device = p.logits.device
         buffers = cls(
             cache=static_cache_like(p.cache, rows, length, config),
             mask=torch.ones((rows, length), dtype=torch.long, device=device),
             token=torch.zeros(rows, dtype=torch.long, device=device),
             position=torch.zeros(rows, dtype=torch.long, device=device),
             done=torch.zeros(rows, dtype=torch.bool, device=device),
-            noise=torch.ones((rows, vocab_size), dtype=torch.float64, device=device),
+            uniform=torch.zeros((rows, 1), dtype=torch.float64, device=device),
+            greedy=torch.zeros((), dtype=torch.bool, device=device),
             temperature=torch.ones((), dtype=torch.float32, device=device),
             tokens=torch.zeros((rows, length), dtype=torch.long, device=device),
             logps=torch.zeros((rows, length), dtype=torch.float32, device=device),
         )
         # Fixed addresses: CUDA graphs read these in place instead of copying them every step.
         for tensor in (buffers.mask, buffers.token, buffers.position, buffers.done,
-                       buffers.noise, buffers.temperature):  # fmt: skip
+                       buffers.uniform, buffers.greedy, buffers.temperature):  # fmt: skip
             torch._dynamo.mark_static_address(tensor)
         return buffers
 
@@ -135,7 +133,7 @@ class StaticBuffers:
         others = (getattr(self, f.name) for f in fields(self) if f.name != "cache")
         return cache + sum(t.nbytes for t in others)
 
-    def load(self, p: Prefill, samples: int, temperature: float) -> torch.Tensor:
+    def load(self, p: Prefill, samples: int, temperature: float, greedy: bool) -> torch.Tensor:
         """Start a generation of `samples` rows from the prefill (row i the prompt `p.rows[i]`):
         its KV cache, mask and positions; the rows past them copy the first prompt and are done
         from the start (they run as padding, and are dropped). Returns the rows' prompt index."""
@@ -147,7 +145,7 @@ class StaticBuffers:
         self.position.copy_(p.next_position[index])
         self.done.copy_(torch.arange(num_rows, device=self.done.device) >= samples)
         self.temperature.fill_(temperature)
-        self.noise.fill_(1.0)  # greedy: the race without noise is the argmax
+        self.greedy.fill_(greedy)
         return index
 
     def record(
@@ -262,28 +260,30 @@ class StaticSampler:
     ) -> tuple[StaticBuffers, Callable[[], Any]]:
         """The prefill (the dynamic cache: its shape changes with every batch of prompts, it is
         not compiled) loaded into a bucket, and the first token drawn from its logits. Returns
-        the bucket and the draw of a step's noise. The prefill is freed on return."""
+        the bucket and the draw of a step's uniform numbers. The prefill is freed on return."""
         p = prefill(self.model, prompts, pad_id)
         rows, length = bucket(len(prompts), p.width + max_new_tokens)
         allocate = partial(StaticBuffers.allocate, p, config=self.model.config)
         b = self.buckets.serving(rows, length, allocate)
-        index = b.load(p, len(prompts), temperature)
-        # Noise for the rows of this generation's own bucket only: a seeded generator draws the
+        index = b.load(p, len(prompts), temperature, greedy)
+        # Numbers for the rows of this generation's own bucket only: a seeded generator draws the
         # same whichever bucket serves it (the rows past them run as padding).
-        noise = b.noise[:rows]
-        draw = (lambda: None) if greedy else partial(noise.exponential_, generator=generator)
+        uniform = b.uniform[:rows]
+        draw = (lambda: None) if greedy else partial(uniform.uniform_, generator=generator)
         draw()
-        b.record(0, *pick_tokens(p.logits[index], b.noise, b.done, b.temperature, eos_id, pad_id))
+        b.record(0, *pick_tokens(p.logits[index], b.uniform, b.greedy, b.done, b.temperature,
+                                 eos_id, pad_id))  # fmt: skip
         return b, draw
 
     def decode_step(
         self, b: StaticBuffers, draw: Callable[[], Any], eos_id: int, pad_id: int, step: int
     ) -> torch.Tensor:
-        """One token for every row of the bucket: the step's noise, then the (compiled) model
-        step; returns the rows' done flags."""
+        """One token for every row of the bucket: the step's uniform numbers, then the
+        (compiled) model step; returns the rows' done flags."""
         draw()
-        done = b.record(step, *self.next_tokens(b.cache, b.token, b.position, b.mask, b.noise,
-                                                b.done, b.temperature, eos_id, pad_id))  # fmt: skip
+        done = b.record(step, *self.next_tokens(b.cache, b.token, b.position, b.mask, b.uniform,
+                                                b.greedy, b.done, b.temperature, eos_id,
+                                                pad_id))  # fmt: skip
         b.position.add_(1)
         return done
 
@@ -293,7 +293,8 @@ class StaticSampler:
         token: torch.Tensor,
         position: torch.Tensor,
         mask: torch.Tensor,
-        noise: torch.Tensor,
+        uniform: torch.Tensor,
+        greedy: torch.Tensor,
         done: torch.Tensor,
         temperature: torch.Tensor,
         eos_id: int,
@@ -302,4 +303,4 @@ class StaticSampler:
         """Feed each row's last token, pick its next one: what is compiled, every shape fixed by
         the bucket."""
         logits, _ = next_logits(self.model, self.cache_key, cache, token, position, mask)
-        return pick_tokens(logits, noise, done, temperature, eos_id, pad_id)
+        return pick_tokens(logits, uniform, greedy, done, temperature, eos_id, pad_id)
