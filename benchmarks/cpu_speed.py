@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     draw = measure_draw(len(batch), vocab_size)
     results.append({"what": "draw", "rows": len(batch), "vocab_size": vocab_size, **draw})
     print(f"\nA decode step's draw from {len(batch)} x {vocab_size:,} logits ({threads} threads, "
-          "median ms): " + ", ".join(f"{name} {ms:.1f}" for name, ms in draw.items()))
+          "median ms): " + ", ".join(f"{name} {ms:.2f}" for name, ms in draw.items()))
     return results
 
 
