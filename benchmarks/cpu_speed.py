@@ -61,15 +61,15 @@ def chat_prompts(tokenizer, count: int, chat: bool) -> list[list[int]]:
     return encode_prompts(tokenizer, [row["prompt"] for row in rows], chat_template=chat)
 
 
-def best_seconds(repeats: int, work) -> float:
-    """Seconds of the fastest of `repeats` calls of `work` after a warm-up one."""
+def timings(repeats: int, work) -> list[float]:
+    """Seconds of each of `repeats` calls of `work` after a warm-up one."""
     work()
-    timings = []
+    seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         work()
-        timings.append(time.perf_counter() - start)
-    return min(timings)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def measure_generation(model, tokenizer, rows, sampler: str, args) -> dict:
@@ -98,16 +98,7 @@ def measure_draw(rows: int, vocab_size: int, repeats: int = 20) -> dict:
         "draw_tokens": lambda: draw_tokens(log_probs, torch.rand(
             (rows, 1), dtype=torch.float64, generator=generator)),
     }  # fmt: skip
-    result = {}
-    for name, draw in draws.items():
-        draw()
-        timings = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            draw()
-            timings.append(time.perf_counter() - start)
-        result[name] = 1e3 * statistics.median(timings)
-    return result
+    return {name: 1e3 * statistics.median(timings(repeats, draw)) for name, draw in draws.items()}
 
 
 def measure_train(model, tokenizer, prompts, args) -> dict:
@@ -121,7 +112,7 @@ def measure_train(model, tokenizer, prompts, args) -> dict:
               for g in range(len(prompts))]  # fmt: skip
     trainer = Trainer(model.train(), TrainConfig(learning_rate=1e-7),
                       pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
-    seconds = best_seconds(args.repeats, lambda: trainer.step(groups, beta=0.05))
+    seconds = min(timings(args.repeats, lambda: trainer.step(groups, beta=0.05)))
     model.eval()
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g)
     return {"train_tokens_per_s": tokens / seconds, "step_seconds": seconds}
@@ -170,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results.append({"what": "train step", "dtype": dtype, "threads": threads, **result})
         print(f"| train step | {dtype} | | {threads} | {result['train_tokens_per_s']:.0f} | "
               f"({result['step_seconds']:.1f} s a step) |", flush=True)  # fmt: skip
-    vocab_size = load_policy(path, "cpu").get_output_embeddings().out_features
+    vocab_size = model.get_output_embeddings().out_features  # the last train step's model
     draw = measure_draw(len(batch), vocab_size)
     results.append({"what": "draw", "rows": len(batch), "vocab_size": vocab_size, **draw})
     print(f"\nA decode step's draw from {len(batch)} x {vocab_size:,} logits ({threads} threads, "

@@ -5,12 +5,12 @@
    dynamic cache, the static path copies them into its static cache).
 2. `next_logits`, the heart of a decode step: one token for every row through the model, at its
    own position, over its cache and attention mask.
-3. `log_probs_at`, `draw_tokens` and `settle`: the behaviour log-probs,
-   `log_softmax(logits / temperature)` in float32 (what `Generation` reports, and what the
-   trainer computes), a token drawn from them with one uniform number per row, and what a drawn
-   token does to its row: a row already done gets `pad_id` with log-prob 0, and a row that drew
-   EOS is done. The paths differ only in when they draw the uniform numbers (the loop at each
-   step, the static path into a buffer its compiled step reads, `static_sampling.pick_tokens`).
+3. `log_probs_at` and `settle`: the behaviour log-probs, `log_softmax(logits / temperature)` in
+   float32 (what `Generation` reports, and what the trainer computes), and what a drawn token
+   does to its row: a row already done gets `pad_id` with log-prob 0, and a row that drew EOS
+   is done. The paths differ only in how they draw a token (the loop with `torch.multinomial`,
+   the static path with `draw_tokens` on the uniform numbers it drew ahead,
+   `static_sampling.pick_tokens`).
 4. `decode_loop`: steps until the length limit or until every row is done, read every
    `check_every` steps (each read waits for the device).
 5. `response_ends` and `to_generation`: where each response ends (its first EOS, included, or
@@ -110,7 +110,7 @@ def draw_tokens(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         token = min { j : u * sum_i p_i < sum_{i <= j} p_i }
 
     One random number a row, not one a vocabulary entry (the exponential race, Gumbel-max and
-    `torch.multinomial` draw a whole row of them: on a CPU with a 49k vocabulary that was a sixth
+    `torch.multinomial` draw a whole row of them: on a CPU with a 49k vocabulary that is a sixth
     of a decode step). The cumulative sum is float64, so that a token of probability 1e-12 still
     owns its own sliver of [0, 1); a token of probability 0 owns none and is never drawn."""
     cdf = log_probs.exp().double().cumsum(-1)
