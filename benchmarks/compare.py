@@ -17,9 +17,11 @@ Suites (`--suite`):
     K         TB with K = 8, 16 and 32 responses per prompt at B * K = 128 samples per step
     trl       TRL's GRPOTrainer alone (use --minutes 30 to see whether it reaches the target)
     engines   TBA with the searchers generating with the built-in engine and with vLLM
-    value     TBA against the value-based baselines: PPO (synchronous, and asynchronous at the
-              default k) and VinePPO (synchronous); also minutes and generated samples (VinePPO's
-              rollouts included) to 55% and 60%, and how many times TB's time each method takes
+    value     TBA against the value-based baselines: PPO (synchronous with the task's critic and
+              with a value head on the policy, and asynchronous at the default k) and VinePPO
+              (synchronous); also minutes and generated samples (VinePPO's rollouts included) to
+              55% and 60%, how many times TB's time each method takes, and how much of the
+              return's variance each PPO run's critic explains
 
     python -m benchmarks.compare --suite stress                 # 5 methods x 3 seeds x 5 min
     python -m benchmarks.compare --suite k --seeds 1 --minutes 2
@@ -34,6 +36,7 @@ benchmark extra (`pip install -e ".[bench]"`).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -118,6 +121,10 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             "tba": Method("TBA (tba train defaults)"),
             "ppo-sync": Method("PPO sync", [*SYNC, "train.loss=ppo"]),
             "ppo-async": Method("PPO async, default k", [*ASYNC, "train.loss=ppo"]),
+            # The value head on the policy, which the math task's preset replaces with a separate
+            # critic LM: does a critic that learns pay for the steps it costs?
+            "ppo-sync-head": Method("PPO sync, value head on the policy",
+                                    [*SYNC, "train.loss=ppo", "train.ppo.value_model=head"]),
             "vineppo-sync": Method("VinePPO sync", [*SYNC, "train.loss=vineppo"]),
         },
     }
@@ -152,6 +159,36 @@ def print_times_to_targets(
         print(f"| {agg.label} | {' | '.join(cells)} |")
 
 
+def critic_fit(run_dir: Path, last: int = 100) -> tuple[float, list[float]] | None:
+    """How much of the return's variance a run's critic explained: the mean of its
+    `explained_variance` over the last `last` steps and over each quarter of the steps (steps
+    with constant returns, NaN, left out); None for a run without a critic."""
+    with (run_dir / "metrics.jsonl").open() as lines:
+        values = [row["explained_variance"] for row in map(json.loads, lines)
+                  if "explained_variance" in row]  # fmt: skip
+    if not values:
+        return None
+    fits = np.array(values, dtype=float)  # a null (NaN written by a JSON encoder) becomes NaN
+    quarters = [float(np.nanmean(part)) for part in np.array_split(fits, 4)]
+    return float(np.nanmean(fits[-last:])), quarters
+
+
+def print_critic_fit(directories: list[Path], names: list[str]) -> None:
+    """Per run of a method with a critic: its explained variance (`critic_fit`)."""
+    rows = []
+    for name in names:
+        for directory in directories:
+            for run_dir in sorted((directory / name).glob("seed*")):
+                fit = critic_fit(run_dir) if (run_dir / "metrics.jsonl").exists() else None
+                if fit is not None:
+                    quarters = ", ".join(f"{q:.2f}" for q in fit[1])
+                    rows.append(f"| {name} | {run_dir.name} | {fit[0]:.3f} | {quarters} |")
+    if rows:
+        print("\n| method | run | critic's explained variance, last 100 steps | by quarters |")
+        print("|---|---|---|---|")
+        print("\n".join(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, minutes=5.0, out="runs/compare")
@@ -167,11 +204,13 @@ def main() -> None:
         aggregates = finish(pick_methods(merge_results(args.report), args.only, parser), args,
                             "comparison")  # fmt: skip
         print_times_to_targets(aggregates, args.minutes)
+        print_critic_fit(args.report, list(aggregates))
         return
     methods = pick_methods(suites(args)[args.suite], args.only, parser)
     results = run_suite(methods, args)
     aggregates = finish({name: results[name] for name in methods}, args, f"suite: {args.suite}")
     print_times_to_targets(aggregates, args.minutes)
+    print_critic_fit([args.out], list(methods))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
 """`benchmarks.compare`: `--only` keeps the methods it names, in that order, and refuses an unknown
-one; the value suite's table of times to 55% and 60%."""
+one; the value suite's table of times to 55% and 60% and its critics' explained variance."""
 
 import argparse
+import json
+import math
 
 import pytest
 
 from benchmarks.common import Point, aggregate, pick_methods
-from benchmarks.compare import objectives_at, print_times_to_targets, suites
+from benchmarks.compare import (
+    critic_fit,
+    objectives_at,
+    print_critic_fit,
+    print_times_to_targets,
+    suites,
+)
 
 
 def test_only_keeps_the_named_methods_in_the_order_given():
@@ -39,6 +47,33 @@ def test_times_to_targets_give_minutes_samples_and_multiples_of_tbs_time(capsys)
     # 55%: half-way between the points at 0.50 and 0.60; 60%: the third point.
     assert rows[-2] == "| TB | 1.5 | 150 | 1.0 | 2.0 | 200 | 1.0 |"
     assert rows[-1] == "| VinePPO | 6.0 | 1,500 | 4.0 | 8.0 | 2,000 | 4.0 |"
-    assert {"tba", "ppo-sync", "ppo-async", "vineppo-sync"} == set(
+    assert {"tba", "ppo-sync", "ppo-async", "ppo-sync-head", "vineppo-sync"} == set(
         suites(argparse.Namespace(trl_lr=5e-5))["value"]
     )
+
+
+def test_critic_fit_averages_the_last_steps_and_the_quarters_leaving_out_constant_returns(
+    tmp_path, capsys
+):
+    run_dir = tmp_path / "ppo-sync" / "seed0"
+    run_dir.mkdir(parents=True)
+    # Eight steps; the fourth had constant returns (NaN). Evaluation rows carry no critic.
+    fits = [0.0, 0.1, 0.2, math.nan, 0.4, 0.5, 0.6, 0.7]
+    rows = [{"step": 0, "eval_pass@1": 0.4}] + [
+        {"step": i + 1, "explained_variance": fit} for i, fit in enumerate(fits)
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "ppo-sync" / "seed0.log").write_text("the run's log, not a run")
+    last, quarters = critic_fit(run_dir, last=3)
+    assert last == pytest.approx(0.6)
+    assert quarters == pytest.approx([0.05, 0.2, 0.45, 0.65])
+
+    tb_dir = tmp_path / "tba" / "seed0"
+    tb_dir.mkdir(parents=True)
+    (tb_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    assert critic_fit(tb_dir) is None
+
+    print_critic_fit([tmp_path], ["tba", "ppo-sync"])
+    rows_printed = capsys.readouterr().out.strip().splitlines()
+    assert rows_printed[-1] == "| ppo-sync | seed0 | 0.357 | 0.05, 0.20, 0.45, 0.65 |"
+    assert len(rows_printed) == 3  # header, rule, the one run with a critic
