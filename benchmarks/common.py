@@ -246,7 +246,7 @@ def merge_results(directories: list[Path]) -> dict:
 
 
 def minutes_text(value: float | None, budget: float) -> str:
-    return f"{value:.1f}" if value is not None else f"> {budget:g}"
+    return f"{value:.1f}" if value is not None else f"> {budget:.1f}"
 
 
 def seeds_text(values: list[float | None], budget: float) -> str:
@@ -269,10 +269,11 @@ def print_table(
     print("|---|---|---|---|---|---|---|---|")
     for agg in aggregates.values():
         mean, std = agg.final()
+        end = float(agg.grid[-1])  # a method may run longer than --minutes (its own limit)
         print(
             f"| {agg.label}{'' if len(counts) == 1 else f' ({len(agg.runs)} seeds)'} | "
-            f"{minutes_text(agg.minutes_to(args.target), args.minutes)}; "
-            f"{seeds_text(agg.seed_minutes_to(args.target), args.minutes)} | "
+            f"{minutes_text(agg.minutes_to(args.target), end)}; "
+            f"{seeds_text(agg.seed_minutes_to(args.target), end)} | "
             f"{mean:.1%} ± {std:.1%} | {mean - agg.base:+.1%} | {agg.lowest():+.1%} | "
             f"{agg.mean_of('samples_per_s'):.0f} | {agg.mean_of('steps'):.0f} | "
             f"{agg.mean_of('staleness_steps_mean'):.1f} |"

@@ -33,20 +33,25 @@ def test_an_unknown_method_is_refused_in_one_line_naming_the_choices(capsys):
 
 
 def test_times_to_targets_give_minutes_samples_and_multiples_of_tbs_time(capsys):
-    def run(minutes_per_point: float, samples_per_point: int) -> list[Point]:
-        values = [0.40, 0.50, 0.60, 0.70]
+    def run(minutes_per_point: float, samples_per_point: int,
+            values: tuple[float, ...] = (0.40, 0.50, 0.60, 0.70)) -> list[Point]:  # fmt: skip
         return [Point(i * minutes_per_point, i, i * samples_per_point, v)
                 for i, v in enumerate(values)]  # fmt: skip
 
     aggregates = {
         "tba": aggregate("TB", [run(1.0, 100)], [{}], step=0.5),
         "vineppo-sync": aggregate("VinePPO", [run(4.0, 1000)], [{}], step=0.5),
+        "ppo-sync": aggregate("PPO", [run(2.0, 100, (0.40, 0.50, 0.60, 0.65))], [{}], step=0.5),
     }
-    print_times_to_targets(aggregates, budget=20.0)
+    print_times_to_targets(aggregates)
     rows = capsys.readouterr().out.strip().splitlines()
-    # 55%: half-way between the points at 0.50 and 0.60; 60%: the third point.
-    assert rows[-2] == "| TB | 1.5 | 150 | 1.0 | 2.0 | 200 | 1.0 |"
-    assert rows[-1] == "| VinePPO | 6.0 | 1,500 | 4.0 | 8.0 | 2,000 | 4.0 |"
+    # 55%: half-way between the points at 0.50 and 0.60; 60%: the third point; the last target
+    # is TB's own end, 70%, which PPO never reaches in its 6 minutes: more than 6 / 3 TB's time.
+    assert rows[0].startswith("| method | minutes to 55.0% |")
+    assert "minutes to 70.0% | samples to 70.0% | x TB's time |" in rows[0]
+    assert rows[-3] == "| TB | 1.5 | 150 | 1.0 | 2.0 | 200 | 1.0 | 3.0 | 300 | 1.0 |"
+    assert rows[-2] == "| VinePPO | 6.0 | 1,500 | 4.0 | 8.0 | 2,000 | 4.0 | 12.0 | 3,000 | 4.0 |"
+    assert rows[-1] == "| PPO | 3.0 | 150 | 2.0 | 4.0 | 200 | 2.0 | > 6.0 | not reached | > 2.0 |"
     assert {"tba", "ppo-sync", "ppo-async", "ppo-sync-head", "vineppo-sync"} == set(
         suites(argparse.Namespace(trl_lr=5e-5))["value"]
     )
