@@ -249,6 +249,10 @@ def minutes_text(value: float | None, budget: float) -> str:
     return f"{value:.1f}" if value is not None else f"> {budget:.1f}"
 
 
+def seeds_count(count: int) -> str:
+    return f"{count} seed{'' if count == 1 else 's'}"
+
+
 def seeds_text(values: list[float | None], budget: float) -> str:
     return ", ".join(minutes_text(v, budget) for v in values)
 
@@ -271,7 +275,7 @@ def print_table(
         mean, std = agg.final()
         end = float(agg.grid[-1])  # a method may run longer than --minutes (its own limit)
         print(
-            f"| {agg.label}{'' if len(counts) == 1 else f' ({len(agg.runs)} seeds)'} | "
+            f"| {agg.label}{'' if len(counts) == 1 else f' ({seeds_count(len(agg.runs))})'} | "
             f"{minutes_text(agg.minutes_to(args.target), end)}; "
             f"{seeds_text(agg.seed_minutes_to(args.target), end)} | "
             f"{mean:.1%} ± {std:.1%} | {mean - agg.base:+.1%} | {agg.lowest():+.1%} | "
