@@ -41,7 +41,6 @@ benchmark extra (`pip install -e ".[bench]"`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -61,6 +60,7 @@ from benchmarks.common import (
     run_suite,
 )
 from tba.quiet import quiet_libraries
+from tba.run_dir import read_metrics
 
 ASYNC = ["train.mode=async", "searchers.count=1"]
 SYNC = ["train.mode=sync", "searchers.count=0"]
@@ -184,9 +184,8 @@ def critic_fit(run_dir: Path, last: int = 100) -> tuple[float, list[float]] | No
     """How much of the return's variance a run's critic explained: the mean of its
     `explained_variance` over the last `last` steps and over each quarter of the steps (steps
     with constant returns, NaN, left out); None for a run without a critic."""
-    with (run_dir / "metrics.jsonl").open() as lines:
-        values = [row["explained_variance"] for row in map(json.loads, lines)
-                  if "explained_variance" in row]  # fmt: skip
+    records = read_metrics(run_dir / "metrics.jsonl")
+    values = [row["explained_variance"] for row in records if "explained_variance" in row]
     if not values:
         return None
     fits = np.array(values, dtype=float)  # a null (NaN written by a JSON encoder) becomes NaN
