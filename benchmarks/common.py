@@ -264,11 +264,11 @@ def print_table(
     (mean ± std over seeds), gain over the base, the lowest point along the way, throughput."""
     any_run = next(iter(aggregates.values()))
     counts = sorted({len(agg.runs) for agg in aggregates.values()})
-    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    seeds = seeds_count(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]} seeds"
     # A method with its own limit (vineppo-long) runs longer than --minutes.
     ends = sorted({round(float(agg.grid[-1])) for agg in aggregates.values()})
     minutes = f"{ends[0]}" if len(ends) == 1 else f"{ends[0]}-{ends[-1]}"
-    print(f"\n{seeds} seed{'' if seeds == '1' else 's'} per method, {minutes} min per run, "
+    print(f"\n{seeds} per method, {minutes} min per run, "
           f"{args.num_eval} held-out items, {metric} target {args.target:.3f}, base "
           f"{any_run.base:.3f}")  # fmt: skip
     print(f"| method | minutes to target (mean curve; per seed) | {metric} at end | gain | "
