@@ -184,7 +184,8 @@ class BroadcastReceiver:
         self.joined = threading.Event()
         self._staged = threading.Condition()  # held while staging is written or read
         self._thread = threading.Thread(
-            target=self._receive, args=(handles, join_timeout_s), daemon=True)
+            target=self._receive, args=(handles, join_timeout_s), daemon=True,
+            name=f"broadcast receiver {name}")
         self._thread.start()
 
     def _receive(self, handles: dict[str, Any], join_timeout_s: float) -> None:
