@@ -265,7 +265,7 @@ def print_table(
     any_run = next(iter(aggregates.values()))
     counts = sorted({len(agg.runs) for agg in aggregates.values()})
     seeds = seeds_count(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]} seeds"
-    # A method with its own limit (vineppo-long) runs longer than --minutes.
+    # A method with its own limit (the long suite) runs longer than --minutes.
     ends = sorted({round(float(agg.grid[-1])) for agg in aggregates.values()})
     minutes = f"{ends[0]}" if len(ends) == 1 else f"{ends[0]}-{ends[-1]}"
     print(f"\n{seeds} per method, {minutes} min per run, "

@@ -22,15 +22,17 @@ Suites (`--suite`):
               (synchronous); also minutes and generated samples (VinePPO's rollouts included) to
               55% and 60%, how many times TB's time each method takes, and how much of the
               return's variance each PPO run's critic explains
-    vineppo-long  VinePPO alone for 90 minutes; with --report beside the value suite's runs, its
-              time to 55%, 60% and TB's pass@1 at 10 minutes, and that time over TB's
+    long      VinePPO (vineppo-long) and TBA (tba-long) for 90 minutes each; with --report beside
+              the value suite's runs, VinePPO's time to 55%, 60% and TB's pass@1 at 10 minutes,
+              that time over TB's, and where each method stands after 90 minutes
 
     python -m benchmarks.compare --suite stress                 # 5 methods x 3 seeds x 5 min
     python -m benchmarks.compare --suite k --seeds 1 --minutes 2
     python -m benchmarks.compare --report runs/compare_stress runs/compare_k --out runs/all
     python -m benchmarks.compare --report runs/compare_k --only tb-k2,rloo-k2 --out runs/k2
     python -m benchmarks.compare --suite value --minutes 10 --out runs/compare_value
-    python -m benchmarks.compare --suite vineppo-long --seeds 1 --out runs/compare_vineppo_long
+    python -m benchmarks.compare --suite long --only vineppo-long --seeds 1 \\
+        --out runs/compare_vineppo_long
     python -m benchmarks.compare --report runs/compare_value runs/compare_vineppo_long \\
         --only tba,vineppo-sync,vineppo-long --minutes 10 --out runs/vineppo_time
 
@@ -63,6 +65,7 @@ from tba.quiet import quiet_libraries
 from tba.run_dir import read_metrics
 
 ASYNC = ["train.mode=async", "searchers.count=1"]
+LONG = ["train.max_minutes=90", "eval.snapshot_minutes=2"]  # the long suite's own limit
 SYNC = ["train.mode=sync", "searchers.count=0"]
 PLAIN_TB = ["train.loss=tb", "train.tb.trust_region=none"]
 
@@ -133,12 +136,10 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
                                     [*SYNC, "train.loss=ppo", "train.ppo.value_model=head"]),
             "vineppo-sync": Method("VinePPO sync", [*SYNC, "train.loss=vineppo"]),
         },
-        # Its own limit, whatever --minutes says, and snapshots every 2 minutes (45 to score).
-        "vineppo-long": {
-            "vineppo-long": Method(
-                "VinePPO sync, 90 min",
-                [*SYNC, "train.loss=vineppo", "train.max_minutes=90", "eval.snapshot_minutes=2"],
-            ),
+        # Their own limit, whatever --minutes says, and snapshots every 2 minutes (45 to score).
+        "long": {
+            "vineppo-long": Method("VinePPO sync, 90 min", [*SYNC, "train.loss=vineppo", *LONG]),
+            "tba-long": Method("TBA (tba train defaults), 90 min", LONG),
         },
     }
 
@@ -214,7 +215,7 @@ def main() -> None:
     add_common_arguments(parser, minutes=5.0, out="runs/compare")
     parser.add_argument(
         "--suite", default="main",
-        choices=["main", "stress", "k", "m", "K", "trl", "engines", "value", "vineppo-long"],
+        choices=["main", "stress", "k", "m", "K", "trl", "engines", "value", "long"],
     )  # fmt: skip
     parser.add_argument("--trl-lr", type=float, default=5e-5, help="TRL's learning rate")
     args = parser.parse_args()

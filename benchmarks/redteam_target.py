@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from tba.config import PretrainConfig
-from tba.offline_eval import load_scored_policy, run_config
+from tba.offline_eval import load_scored_policy
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import load_model
 from tba.policy.tokenizer import encode_prompts, load_tokenizer
 from tba.quiet import quiet_libraries
+from tba.run_dir import run_config
 from tba.tasks.redteam import build as redteam_build
 from tba.tasks.redteam import world
 from tba.tasks.redteam.task import SUCCESS_THRESHOLD, Judge, attack_rewards

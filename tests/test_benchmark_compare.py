@@ -1,5 +1,6 @@
 """`benchmarks.compare`: `--only` keeps the methods it names, in that order, and refuses an unknown
-one; the value suite's table of times to 55% and 60% and its critics' explained variance."""
+one; every method of every suite is a valid config; the value suite's table of times to 55% and
+60% and its critics' explained variance."""
 
 import argparse
 import json
@@ -15,6 +16,7 @@ from benchmarks.compare import (
     print_times_to_targets,
     suites,
 )
+from tba.config import load_config
 
 
 def test_only_keeps_the_named_methods_in_the_order_given():
@@ -82,3 +84,12 @@ def test_critic_fit_averages_the_last_steps_and_the_quarters_leaving_out_constan
     rows_printed = capsys.readouterr().out.strip().splitlines()
     assert rows_printed[-1] == "| ppo-sync | seed0 | 0.357 | 0.05, 0.20, 0.45, 0.65 |"
     assert len(rows_printed) == 3  # header, rule, the one run with a critic
+
+
+def test_every_method_of_every_suite_is_a_valid_config():
+    for suite, methods in suites(argparse.Namespace(trl_lr=5e-5)).items():
+        for name, method in methods.items():
+            if method.runner is None:  # `tba train` with these overrides
+                config = load_config(None, method.overrides)
+                if suite == "long":
+                    assert config.train.max_minutes == 90, name

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import tba.cli
 import tba.loop
+import tba.offline_eval
+import tba.plots
 from benchmarks.faults import FAST as TINY_RUN
 from benchmarks.faults import Workspace
 from tba import TBAConfig, TBATrainer
@@ -395,7 +396,7 @@ def test_tba_eval_of_a_read_only_run_says_so_before_scoring(workspace, disk, mon
     def score_final(*args, **kwargs):
         raise AssertionError("scored before finding that the scores cannot be written")
 
-    monkeypatch.setattr(tba.cli.offline_eval, "score_final", score_final)
+    monkeypatch.setattr(tba.offline_eval, "score_final", score_final)
     capsys.readouterr()
     assert main(["eval", str(run_dir)]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
@@ -426,7 +427,7 @@ def test_tba_plot_into_a_place_that_cannot_be_written_is_one_line(tmp_path, disk
     def fails(*args, **kwargs):  # a write that fails after the check (the disk filled)
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "plot.png"))
 
-    monkeypatch.setattr(tba.cli, "plot_run_dirs", fails)
+    monkeypatch.setattr(tba.plots, "plot_run_dirs", fails)
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "plot.png")]) == 1
     assert capsys.readouterr().err == (f"tba: error: No space left on device: "
                                        f"{tmp_path / 'plot.png'}\n")  # fmt: skip

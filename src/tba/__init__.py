@@ -10,13 +10,26 @@ and how their samples reach the buffer) and `tba.loop`, which wires them for a r
 """
 
 import logging
+from typing import TYPE_CHECKING
 
 # bitsandbytes (QLoRA), imported by peft, warns at import on CPUs with AVX512-BF16 that an
 # optional package of faster kernels is missing, and at every 8-bit product that it rounds its
 # input to float16, as its int8 products do: nothing for a user to act on.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
-from tba.api import TBAConfig, TBATrainer  # noqa: E402 - after the logger is quiet
+if TYPE_CHECKING:
+    from tba.api import TBAConfig, TBATrainer
 
 __version__ = "0.1.0"
 __all__ = ["TBAConfig", "TBATrainer"]
+
+
+def __getattr__(name: str) -> object:
+    """`tba.TBATrainer` and `tba.TBAConfig`, imported on first use: importing any module of tba
+    (the command line answering a bad value, a searcher process) then costs what that module
+    needs, not transformers, peft and datasets (~5 s)."""
+    if name in __all__:
+        import tba.api
+
+        return getattr(tba.api, name)
+    raise AttributeError(f"module 'tba' has no attribute {name!r}")

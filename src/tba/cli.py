@@ -44,15 +44,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tba import offline_eval
 from tba.config import ConfigError, dump_config, load_config, reference_page
 from tba.errors import CheckpointError, Interrupted, RunError
-from tba.loop import train
-from tba.plots import plot_run_dirs
 from tba.quiet import quiet_libraries
-from tba.run_dir import check_writable, write_whole
-from tba.tasks import resolve_policy
+from tba.run_dir import check_writable, run_config, write_whole
 from tba.trl_args import reference_page as trl_reference_page
+
+# The commands' own modules (training, scoring, plotting: transformers, peft, datasets,
+# matplotlib, ~6 s to import) are imported by the command that needs them, so that `tba config`
+# and a bad value answer in the time torch takes to import.
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "eval":
             return _eval(options.run_dir, options.overrides, options.snapshots)
         if options.command == "plot":
+            from tba.plots import plot_run_dirs
+
             check_writable(options.out, "the plot", "choose another --out, or fix its permissions")
             drawn = plot_run_dirs(options.run_dirs, options.out, options.metric or (), options.x)
             print(f"{options.out} ({', '.join(drawn)} against {options.x})")
@@ -167,9 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
         console = Console(stderr=True)
         if options.command == "pretrain":
+            from tba.tasks import resolve_policy
+
             path = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
             console.log(f"base policy ready: {path}")
             return 0
+        from tba.loop import train
+
         run_dir = train(config, console, resume=resume is not None, overwrite=options.overwrite)
         summary = json.loads((run_dir / "eval.json").read_text())
         if not summary["interrupted"]:
@@ -202,9 +208,11 @@ def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
     """Score, print a table to stdout, write the result as JSON into the run directory."""
     quiet_libraries()
     console = Console(stderr=True)
-    threads = offline_eval.run_config(run_dir, overrides).policy.num_threads
+    threads = run_config(run_dir, overrides).policy.num_threads  # no run there: one line, now
     if threads:
         torch.set_num_threads(threads)
+    from tba import offline_eval
+
     name = offline_eval.SNAPSHOT_SCORES if snapshots else offline_eval.FINAL_SCORES
     # Before scoring, which takes minutes: the scores must have somewhere to go.
     check_writable(run_dir / name, "the scores", "tba eval writes them into the run directory: "

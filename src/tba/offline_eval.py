@@ -26,14 +26,14 @@ from pathlib import Path
 from safetensors.numpy import load_file
 
 from tba.checkpoint import list_checkpoints
-from tba.config import RunConfig, load_config
+from tba.config import RunConfig
 from tba.core import Task
 from tba.errors import ConfigError
 from tba.evaluation import EvalFaults, EvalSettings, evaluate
 from tba.locks import FileLock, describe_holder
 from tba.policy.model import check_device, load_policy, resolve_device, set_weights
 from tba.policy.tokenizer import load_tokenizer
-from tba.run_dir import LOCK_FILE, final_saved, read_metrics, samples_consumed
+from tba.run_dir import LOCK_FILE, final_saved, read_metrics, run_config, samples_consumed
 from tba.tasks import load_task, resolve_policy
 
 FINAL_SCORES = "eval_final.json"
@@ -117,12 +117,6 @@ def _without_final(run_dir: Path, records: list[dict]) -> str:
     if any("snapshot" in record for record in records):
         ways.append(f"score its snapshots with `tba eval --snapshots {run_dir}`")
     return " or ".join(ways) or "it stopped before its first checkpoint: start it again"
-
-
-def run_config(run_dir: Path, overrides: Sequence[str] = ()) -> RunConfig:
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir}: no run there (config.yaml not found)")
-    return load_config(run_dir / "config.yaml", list(overrides))
 
 
 def run_task(run_dir: Path, config: RunConfig, log: Callable[[str], None]) -> Task:

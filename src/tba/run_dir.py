@@ -42,13 +42,14 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
+from tba.config import RunConfig, load_config
 from tba.errors import ConfigError, RunError
 from tba.locks import FileLock, Locked, describe_holder
 from tba.tracking import Trackers
@@ -120,6 +121,13 @@ def describe_run(path: Path) -> str:
                     f"{steps[-1]}")  # fmt: skip
     state = "finished" if run_ended(path) else "unfinished"
     return f"the {state} run in {path} ({', '.join(kept) or 'eval.json'})"
+
+
+def run_config(run_dir: Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """The config a run directory was trained with, `overrides` on top."""
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir}: no run there (config.yaml not found)")
+    return load_config(run_dir / "config.yaml", list(overrides))
 
 
 class Replacement:
