@@ -27,7 +27,7 @@ __all__ = ["TBAConfig", "TBATrainer"]
 def __getattr__(name: str) -> object:
     """`tba.TBATrainer` and `tba.TBAConfig`, imported on first use: importing any module of tba
     (the command line answering a bad value, a searcher process) then costs what that module
-    needs, not transformers, peft and datasets (~5 s)."""
+    needs, not transformers, peft and datasets (~6 s)."""
     if name in __all__:
         import tba.api
 
