@@ -18,7 +18,7 @@ import torch
 from tba.config import LoraConfig, load_config
 from tba.errors import RunError
 from tba.policy.model import add_lora, get_weights, published_state, set_weights
-from tba.runtime.weight_broadcast import BroadcastHub, BroadcastReceiver
+from tba.runtime.weight_broadcast import RECEIVER_THREAD, BroadcastHub, BroadcastReceiver
 from tba.runtime.weight_buckets import (
     BucketReader,
     CannotAttach,
@@ -413,7 +413,7 @@ def test_a_searcher_whose_broadcast_group_fails_falls_back_to_the_object_store(
         # A receiver that gave up may still sit in TCPStore's own connect timeout: a daemon
         # thread inside C++ code when the interpreter exits aborts it (exit 134).
         for thread in threading.enumerate():
-            if thread.name.startswith("broadcast receiver"):
+            if thread.name.startswith(RECEIVER_THREAD):
                 thread.join(timeout=30)
         hub.close()
         buckets.close()

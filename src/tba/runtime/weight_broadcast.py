@@ -51,6 +51,8 @@ GROUP_TIMEOUT = datetime.timedelta(days=1)
 POLL_S = 0.1  # how often the trainer looks for searchers joining
 
 
+RECEIVER_THREAD = "broadcast receiver"  # how a receiver's thread is named, then its name
+
 def _group(store: dist.Store, rank: int, backend: str) -> dist.ProcessGroup:
     """A two-process group (the trainer is rank 0) on `store`, outside any default group."""
     if backend == "nccl":
@@ -185,7 +187,7 @@ class BroadcastReceiver:
         self._staged = threading.Condition()  # held while staging is written or read
         self._thread = threading.Thread(
             target=self._receive, args=(handles, join_timeout_s), daemon=True,
-            name=f"broadcast receiver {name}")
+            name=f"{RECEIVER_THREAD} {name}")
         self._thread.start()
 
     def _receive(self, handles: dict[str, Any], join_timeout_s: float) -> None:
