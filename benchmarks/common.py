@@ -83,11 +83,18 @@ def base_policy(overrides: list[str] = ()) -> Path:
 
 
 def run_suite(
-    methods: dict[str, Method], args: argparse.Namespace
+    methods: dict[str, Method],
+    args: argparse.Namespace,
+    score: Callable[[Path, int], list[dict]] | None = None,
+    summarize: Callable[[Path], dict] | None = None,
 ) -> dict[str, dict[int, list[Point]]]:
-    """Every method for every seed, one run at a time, each scored when it ends. Results are
-    saved to `args.out/results.json` after each run, and a finished run is not run again when
-    the benchmark is restarted with the same --out."""
+    """Every method for every seed, one run at a time, each scored when it ends
+    (`score(run_dir, args.num_eval)`, default `score_snapshots`) and summed up
+    (`summarize(run_dir)`, default `run_summary`). Results are saved to `args.out/results.json`
+    after each run, and a finished run is not run again when the benchmark is restarted with the
+    same --out."""
+    score = score or score_snapshots
+    summarize = summarize or run_summary
     args.out.mkdir(parents=True, exist_ok=True)
     results_path = args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -106,8 +113,8 @@ def run_suite(
                 chosen = [*args.overrides, *method.overrides]
                 overrides = [f"policy.model={base_policy(chosen)}", f"seed={seed}", *chosen]
                 run_tba(run_dir, overrides, args.minutes, args.snapshot_minutes)
-            curve = score_snapshots(run_dir, args.num_eval)
-            entry["runs"][str(seed)] = {"curve": curve, **run_summary(run_dir)}
+            curve = score(run_dir, args.num_eval)
+            entry["runs"][str(seed)] = {"curve": curve, **summarize(run_dir)}
             results_path.write_text(json.dumps(results, indent=1))
     return results
 

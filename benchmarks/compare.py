@@ -25,6 +25,11 @@ Suites (`--suite`):
     long      VinePPO (vineppo-long) and TBA (tba-long) for 90 minutes each; with --report beside
               the value suite's runs, VinePPO's time to 55%, 60% and TB's pass@1 at 10 minutes,
               that time over TB's, and where each method stands after 90 minutes
+    smollm2-quickstart, smollm2-math, smollm2-sweep
+              tba asynchronous, tba synchronous and TRL on SmolLM2-135M-Instruct: TRL's
+              quickstart (length reward, conversational posts) and the math recipe
+              (configs/smollm2_math.yaml), and the sweep behind the recipe; their own defaults,
+              scoring and report (`benchmarks.smollm2`)
 
     python -m benchmarks.compare --suite stress                 # 5 methods x 3 seeds x 5 min
     python -m benchmarks.compare --suite k --seeds 1 --minutes 2
@@ -35,6 +40,8 @@ Suites (`--suite`):
         --out runs/compare_vineppo_long
     python -m benchmarks.compare --report runs/compare_value runs/compare_vineppo_long \\
         --only tba,vineppo-sync,vineppo-long --minutes 10 --out runs/vineppo_time
+    python -m benchmarks.compare --suite smollm2-math --seeds 1 --first-seed 2
+    python -m benchmarks.compare --suite smollm2-math --report runs/compare_smollm2_math
 
 A restarted invocation with the same --out skips the runs it already finished. TRL needs the
 benchmark extra (`pip install -e ".[bench]"`).
@@ -50,6 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import smollm2
 from benchmarks.common import (
     Aggregate,
     Method,
@@ -141,7 +149,12 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
             "vineppo-long": Method("VinePPO sync, 90 min", [*SYNC, "train.loss=vineppo", *LONG]),
             "tba-long": Method("TBA (tba train defaults), 90 min", LONG),
         },
+        **smollm2.suites(args),
     }
+
+
+# Common arguments whose defaults a suite may set (the SmolLM2 suites: `smollm2.suite_defaults`).
+SUITE_DEFAULTS = ("minutes", "seeds", "target", "snapshot_minutes", "num_eval", "out")
 
 
 VALUE_TARGETS = (0.55, 0.60)
@@ -210,17 +223,43 @@ def print_critic_fit(directories: list[Path], names: list[str]) -> None:
         print("\n".join(rows))
 
 
-def main() -> None:
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the arguments, a suite's own defaults filled in where it has them (else the
+    common ones)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, minutes=5.0, out="runs/compare")
     parser.add_argument(
         "--suite", default="main",
-        choices=["main", "stress", "k", "m", "K", "trl", "engines", "value", "long"],
+        choices=["main", "stress", "k", "m", "K", "trl", "engines", "value", "long",
+                 *smollm2.SUITES],
     )  # fmt: skip
     parser.add_argument("--trl-lr", type=float, default=5e-5, help="TRL's learning rate")
-    args = parser.parse_args()
+    smollm2.add_arguments(parser)
+    common = {key: parser.get_default(key) for key in SUITE_DEFAULTS}
+    parser.set_defaults(**dict.fromkeys(SUITE_DEFAULTS))
+    args = parser.parse_args(argv)
+    defaults = smollm2.suite_defaults(args.suite) if args.suite in smollm2.SUITES else common
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return parser, args
+
+
+def main() -> None:
+    parser, args = parse_args()
     torch.set_num_threads(2)
     quiet_libraries()
+    if args.suite in smollm2.SUITES:
+        suite = smollm2.SUITES[args.suite]
+        if args.report:
+            smollm2.report(pick_methods(merge_results(args.report), args.only, parser), args,
+                           suite)  # fmt: skip
+            return
+        methods = pick_methods(suites(args)[args.suite], args.only, parser)
+        smollm2.report(smollm2.run(methods, args), args, suite)
+        return
     if args.report:
         aggregates = finish(pick_methods(merge_results(args.report), args.only, parser), args,
                             "comparison")  # fmt: skip

@@ -6,16 +6,19 @@ weights.
   numpy arrays through host memory, `ray.put` once), then the searcher's `ray.get` and
   `set_weights`.
 - `shared`: a copy of the model into the trainer's shared buckets on its device
-  (`tba.runtime.weight_buckets`; shared memory on a CPU, CUDA IPC on a GPU), then the searcher's
+  (`tba.runtime.transfer.shared`; shared memory on a CPU, CUDA IPC on a GPU), then the searcher's
   copy out of them into its model.
 - `broadcast`: the same copy into the buckets, then their broadcast to the searcher's group
-  (`tba.runtime.weight_broadcast`; gloo on a CPU, NCCL between GPUs) into its staging buckets,
-  and its copy into its model: the path for searchers on other GPUs and machines, measured here
-  on one.
+  (`tba.runtime.transfer.broadcast`; gloo on a CPU, NCCL between GPUs) into its staging
+  buckets, and its copy into its model: the path for searchers on other GPUs and machines,
+  measured here on one.
 
-The searcher is a real `SearcherActor` in a local Ray instance, on the trainer's device (a share
-of the trainer's GPU where there is one); each hand-off is timed from the start of the publish to
-the searcher's answer that it adopted the version (`--repeats` times; medians). Models: the
+Each path is the run's weight transports (`tba.runtime.transfer`) as `searchers.weight_transfer`
+sets them with that path alone in `auto`'s order. The searcher is a real `SearcherActor` in a
+local Ray instance, on the trainer's device (a share of the trainer's GPU where there is one);
+each hand-off is timed from the start of the publish to the searcher's answer that it adopted the
+version (`--repeats` times; medians). `benchmarks.shared_buckets` times the shared path's two
+sides without Ray (what `python -m benchmarks.gpu` reports). Models: the
 built-in policy, and a Qwen2.5-0.5B-shaped model with random weights in bf16 on a GPU (fp32 on
 a CPU); `--small` uses tiny shapes, to try it on a CPU in seconds.
 
@@ -35,13 +38,15 @@ import ray
 import torch
 
 from benchmarks.shapes import qwen_config, random_qwen
+from benchmarks.shared_buckets import TrainerModule
 from tba.config import load_config
-from tba.policy.model import build_tiny_llama, get_weights, resolve_device
+from tba.config.transfer import AutoTransfer
+from tba.policy.model import build_tiny_llama, resolve_device
 from tba.policy.tokenizer import build_char_tokenizer
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_cluster import ray_session
-from tba.runtime.weight_broadcast import BroadcastHub
-from tba.runtime.weight_buckets import WeightBuckets
+from tba.runtime.transfer import SenderPlace, open_chain
+from tba.runtime.transfer.buckets import BucketCache
 from tba.searcher import SearchSettings
 
 PATHS = ("object_store", "shared", "broadcast")
@@ -64,12 +69,13 @@ def build(shape: str, small: bool, device: torch.device) -> tuple[torch.nn.Modul
     return random_qwen(config, device, getattr(torch, dtype)), dtype
 
 
-def adopt(actor) -> int:
-    """Have the searcher adopt what it was offered now (as before its next batch); its version."""
+def adopt(actor) -> tuple[int, dict]:
+    """Have the searcher take what it was offered now (as before its next batch): its version,
+    and its report of the way it took it."""
 
-    def now(self) -> int:
-        self._adopt_offered_weights(exact=True)
-        return self.searcher.version
+    def now(self) -> tuple[int, dict]:
+        self._take_offered_weights(exact=True)
+        return self.searcher.version, self.receiving.report()
 
     return ray.get(actor.__ray_call__.remote(now))
 
@@ -78,41 +84,31 @@ def measure(path: str, model: torch.nn.Module, actor, repeats: int) -> dict[str,
     """Median seconds of `repeats` hand-offs along `path`: the trainer's blocking time, the
     searcher's adoption, and publish to adopted."""
     blocking, adopting, total = [], [], []
-    buckets = WeightBuckets(model, node=ray.get_runtime_context().get_node_id()) \
-        if path != "object_store" else None  # fmt: skip
-    handles = buckets.handles() if buckets else None
-    hub = None
-    if path == "broadcast":
-        hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=600)
-        handles |= {"broadcast": hub.handles(), "only": "broadcast"}
+    place = SenderPlace(node=ray.get_runtime_context().get_node_id(),
+                        host=ray.util.get_node_ip_address(), timeout_s=600,
+                        buckets=BucketCache(), put=ray.put)  # fmt: skip
+    chain = open_chain(AutoTransfer(order=[path]), TrainerModule(model), place,
+                       lambda event, **fields: None, local=False)  # fmt: skip
+    chain.new_searcher(0)
     version = ray.get(actor.__ray_call__.remote(lambda self: self.searcher.version))
+    report: dict = {}
     try:
         for _ in range(repeats):
             version += 1
             start = time.perf_counter()
-            if buckets is not None:
-                buckets.publish(version, step=version)
-                if hub is not None:
-                    hub.published()
-                ref = None
-            else:
-                ref = ray.put(get_weights(model))
+            chain.publish(version, step=version)
             published = time.perf_counter()
-            actor.offer_weights.remote(version, version, [ref], handles)
-            handles = None  # handed once
-            held = adopt(actor)
+            actor.offer.remote(chain.offer(0))
+            held, report = adopt(actor)
+            chain.report(0, report)
             done = time.perf_counter()
             assert held == version, (held, version)
             blocking.append(published - start)
             adopting.append(done - published)
             total.append(done - start)
-        transfer = ray.get(actor.__ray_call__.remote(lambda self: self.weight_transfer))
-        assert transfer == (path if buckets is not None else None), transfer
+        assert report["transfer"] == path, report
     finally:
-        if hub is not None:
-            hub.close()
-        if buckets is not None:
-            buckets.close()
+        chain.close()
     return {"blocking_s": statistics.median(blocking), "adopt_s": statistics.median(adopting),
             "handoff_s": statistics.median(total)}  # fmt: skip
 

@@ -20,10 +20,12 @@
   with the least optimizer memory (bitsandbytes' 8-bit AdamW, bf16 weights without masters,
   Kahan-compensated: `train.optimizer=adamw_8bit train.master_weights=none`), LoRA r=16 and
   QLoRA r=16 (the base saved in memory, then loaded back in 4 bits with double quantization);
-  gradient checkpointing as its default sets it (on a GPU: on), and the 0.5B full step once
-  without; B x K = 8 x 16 responses of 256 tokens after 64-token prompts, micro-batches of 4
-  groups: peak device memory (CUDA's allocator) of each, and which fit on the card. `--small`
-  runs the same on a CPU with narrow shapes, to try it.
+  gradient checkpointing as `auto` decides it for the shape on this device, and the 0.5B full
+  step once with the other choice; B x K = 8 x 16 responses of 256 tokens after 64-token
+  prompts, micro-batches of 4 groups: peak device memory (CUDA's allocator) of each, which fit
+  on the card, and the peak estimated before the step (`estimated_peak_mib`: what is held, and
+  the activations of `tba.policy.activation_memory`, gradients and Adam's state). `--small`
+  runs the same on a CPU with narrow shapes, to try it (peak RSS, the interpreter included).
 
     python -m benchmarks.memory                          # roles: fp32, bf16; none, LoRA, QLoRA
     python -m benchmarks.memory --suite logprobs         # CPU, ~1 min
@@ -54,12 +56,12 @@ from benchmarks.shapes import parameters, qwen_config, random_qwen
 from tba.config import LoraConfig, QuantizationConfig, TrainConfig
 from tba.core import Sample
 from tba.peak_memory import PeakMemory
+from tba.policy.activation_memory import ModelShape, activation_bytes, checkpointing_choice
 from tba.policy.decoding import evaluating
 from tba.policy.logprobs import sequence_logprobs
 from tba.policy.model import (
     DTYPES,
     add_lora,
-    checkpointing_wanted,
     enable_checkpointing,
     get_weights,
     load_policy,
@@ -121,7 +123,7 @@ def measure_trainer(args: argparse.Namespace) -> dict:
     groups = fake_groups(tokenizer, args.num_prompts, args.group_size, args.length)
     for _ in range(args.steps):
         trainer.step(groups, beta=0.05)
-    weights, _, _ = trainer.next_version()
+    weights = trainer.weights()
     return {
         "after_imports": imported,
         "peak": peak_rss_mib(),
@@ -200,7 +202,8 @@ def measure_step(args: argparse.Namespace) -> dict:
         logprobs_module.output_layer = lambda model: None
     settings = TrainConfig(learning_rate=1e-6, max_grad_norm=1.0,
                            micro_batch_groups=args.micro_batch_groups, optimizer=args.optimizer,
-                           master_weights=args.master_weights)  # fmt: skip
+                           master_weights=args.master_weights,
+                           gradient_checkpointing=args.checkpointing)  # fmt: skip
     trainer = Trainer(model.train(), settings, pad_id=0, temperature=1.0)
     groups = random_groups(config.vocab_size, args.num_prompts, args.group_size,
                            args.prompt_length, args.length)  # fmt: skip
@@ -210,6 +213,7 @@ def measure_step(args: argparse.Namespace) -> dict:
         for _ in range(args.steps):
             memory.reset()
             held = memory.current_mib()  # the model, Adam's state, Python: before the step
+            estimate = estimated_peak_mib(trainer, args, held, device)
             start = time.perf_counter()
             trainer.step(groups, beta=0.05)
             synchronize(device)
@@ -227,9 +231,41 @@ def measure_step(args: argparse.Namespace) -> dict:
     except torch.OutOfMemoryError:
         return {"oom": True, "parameters": parameters(config)}
     return {"oom": False, "parameters": parameters(config), "step_peak_mib": step_peak,
-            "held_mib": held,
+            "held_mib": held, "estimate_mib": estimate,
             "score_peak_mib": score_peak, "step_seconds": statistics.median(seconds),
             "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in flat)}  # fmt: skip
+
+
+def estimated_peak_mib(trainer: Trainer, args: argparse.Namespace, held_mib: float,
+                       device: torch.device) -> float:  # fmt: skip
+    """The peak of the next step as estimated before it: what is held (measured), and the larger
+    of its last micro-batch's backward pass (the activations of `tba.policy.activation_memory`,
+    the model's gradients, and the fp32 masters' gradients of the micro-batches before it) and
+    its optimizer step (every weight's gradient; Adam's state where this step makes it, 8 bytes
+    a weight, 2 in 8 bits; torch AdamW's temporary of 4 bytes a weight; with
+    `master_weights=none`, each 16-bit weight stepped alone as an fp32 view with an fp32
+    gradient)."""
+    masters = trainer.masters
+    model_grads = sum(p.numel() * p.element_size() for p in masters.model_params)
+    master_grads = sum(m.numel() * 4 for m, p in zip(masters.params, masters.model_params)
+                       if m is not p)  # fmt: skip
+    weights = sum(m.numel() for m in masters.params)
+    largest = max(m.numel() for m in masters.params)
+    torch_adam = args.optimizer == "adamw"
+    state = 0 if trainer.optimizer.state else weights * (8 if torch_adam else 2)
+    if args.master_weights == "none":
+        temporary = (8 + 4 * torch_adam) * largest
+    else:
+        temporary = 4 * weights * torch_adam
+    rows = (args.micro_batch_groups or args.num_prompts) * args.group_size
+    activations = activation_bytes(ModelShape.of(trainer.model), rows,
+                                   args.prompt_length + args.length,
+                                   checkpointing=args.checkpointing,
+                                   device_type=device.type)  # fmt: skip
+    several = rows < args.num_prompts * args.group_size  # master gradients from earlier ones
+    backward = activations + model_grads + (master_grads if several else 0)
+    step = sum(m.numel() * m.element_size() for m in masters.params) + state + temporary
+    return held_mib + max(backward, step) / 2**20
 
 
 def quantized_qwen(config, device: torch.device, args: argparse.Namespace):
@@ -305,12 +341,39 @@ QWEN_TUNINGS = [(0, 0, "adamw", "fp32"), (0, 0, "adamw_8bit", "none"), (16, 0, "
 def qwen_rows(args: argparse.Namespace) -> list[tuple]:
     """(shape, rank, checkpointing, bits, optimizer, master weights) of every measurement: each
     shape with each tuning, gradient checkpointing as `train.gradient_checkpointing=auto` sets
-    it on this device; and the 0.5B full step with the other choice, to show what it changes."""
-    checkpointing = checkpointing_wanted("auto", resolve_device(args.device))
-    rows = [(shape, rank, checkpointing, bits, optimizer, master_weights)
+    it for the shape on this device (`auto_checkpointing`); and the 0.5B full step with the
+    other choice, to show what it changes."""
+    rows = [(shape, rank, auto_checkpointing(args, shape), bits, optimizer, master_weights)
             for shape in QWEN_SHAPES for rank, bits, optimizer, master_weights in QWEN_TUNINGS]
-    rows.insert(1, ("qwen2.5-0.5b", 0, not checkpointing, 0, "adamw", "fp32"))
+    rows.insert(1, ("qwen2.5-0.5b", 0, not rows[0][2], 0, "adamw", "fp32"))
     return rows
+
+
+def auto_checkpointing(args: argparse.Namespace, shape: str) -> bool:
+    """What `train.gradient_checkpointing=auto` decides for a step of `shape` on this device
+    (`tba.policy.activation_memory.checkpointing_choice`): here, before the model is made, from
+    the device's whole free memory."""
+    config = qwen_config(shape, **(SMALL if args.small else {}))
+    rows = (args.micro_batch_groups or args.num_prompts) * args.group_size
+    on, _ = checkpointing_choice("auto", resolve_device(args.device),
+                                 ModelShape.of_config(config, DTYPES[args.dtype].itemsize),
+                                 rows, args.prompt_length + args.length)  # fmt: skip
+    return on
+
+
+def tuning_label(rank: int, bits: int, optimizer: str, master_weights: str) -> str:
+    """How a row of the qwen suite is tuned, as its table says it."""
+    tuning = (f"QLoRA r={rank}, {bits}-bit base" if bits else f"LoRA r={rank}" if rank
+              else "full")  # fmt: skip
+    tuning += ", 8-bit Adam" if optimizer != "adamw" else ""
+    return tuning + (", no masters (Kahan)" if master_weights == "none" else "")
+
+
+def measure_qwen_row(args: argparse.Namespace, row: tuple) -> dict:
+    """One row of `qwen_rows` measured in a fresh process: its step's and reference scoring's
+    peaks and the step's seconds, or `oom`. CalledProcessError where the process failed."""
+    shape, rank, checkpointing, bits, optimizer, master_weights = row
+    return run_step(args, shape, rank, checkpointing, "chunked", bits, optimizer, master_weights)
 
 
 def qwen_suite(args: argparse.Namespace) -> None:
@@ -321,27 +384,25 @@ def qwen_suite(args: argparse.Namespace) -> None:
     print(f"{card}; {args.dtype}; B={args.num_prompts} x K={args.group_size}, "
           f"{args.prompt_length}-token prompts, {args.length} response tokens, "
           f"micro-batches of {args.micro_batch_groups} groups\n")  # fmt: skip
-    print("| model | parameters | tuning | checkpointing | train step peak | reference scoring "
-          "peak | step seconds |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | parameters | tuning | checkpointing | train step peak | estimate | "
+          "reference scoring peak | step seconds |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = qwen_rows(args)
-    for shape, rank, checkpointing, bits, optimizer, master_weights in rows:
+    for row in rows:
+        shape, rank, checkpointing, bits, optimizer, master_weights = row
         if args.only and shape not in args.only:
             continue
-        result = run_step(args, shape, rank, checkpointing, "chunked", bits, optimizer,
-                          master_weights)  # fmt: skip
-        tuning = (f"QLoRA r={rank}, {bits}-bit base" if bits else f"LoRA r={rank}" if rank
-                  else "full")  # fmt: skip
-        tuning += ", 8-bit Adam" if optimizer != "adamw" else ""
-        tuning += ", no masters (Kahan)" if master_weights == "none" else ""
+        result = measure_qwen_row(args, row)
+        tuning = tuning_label(rank, bits, optimizer, master_weights)
         size = f"{result['parameters'] / 1e9:.2f}B"
         if result["oom"]:
-            print(f"| {shape} | {size} | {tuning} | {checkpointing} | out of memory | | |",
+            print(f"| {shape} | {size} | {tuning} | {checkpointing} | out of memory | | | |",
                   flush=True)  # fmt: skip
             continue
         print(f"| {shape} | {size} | {tuning} | {checkpointing} | "
-              f"{result['step_peak_mib'] / 1024:.1f} GiB | {result['score_peak_mib'] / 1024:.1f} "
-              f"GiB | {result['step_seconds']:.2f} |", flush=True)  # fmt: skip
+              f"{result['step_peak_mib'] / 1024:.1f} GiB | {result['estimate_mib'] / 1024:.1f} "
+              f"GiB | {result['score_peak_mib'] / 1024:.1f} GiB | {result['step_seconds']:.2f} |",
+              flush=True)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- the driver
@@ -414,7 +475,8 @@ SUITE_DEFAULTS = {
 SMALL_QWEN = dict(num_prompts=2, group_size=4, length=16, prompt_length=8, micro_batch_groups=1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the chosen suite's defaults (and `--small`'s) filled in."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=list(SUITE_DEFAULTS), default="roles")
     parser.add_argument("--small", action="store_true",
@@ -452,12 +514,17 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.micro_batch_groups = args.micro_batch_groups or None
+    args.dtype = args.dtype if args.role else args.dtypes[0]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.role:
         role = {"trainer": measure_trainer, "searcher": measure_searcher,
                 "payload": write_payload, "step": measure_step}  # fmt: skip
         print(json.dumps(role[args.role](args)))
         return
-    args.dtype = args.dtypes[0]
     {"roles": roles_suite, "logprobs": logprobs_suite, "qwen": qwen_suite}[args.suite](args)
 
 

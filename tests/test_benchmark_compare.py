@@ -1,10 +1,12 @@
 """`benchmarks.compare`: `--only` keeps the methods it names, in that order, and refuses an unknown
-one; every method of every suite is a valid config; the value suite's table of times to 55% and
-60% and its critics' explained variance."""
+one; every method of every suite is a valid config (the SmolLM2 suites': the same model, prompts,
+reward, batch, length, temperature and learning rate for every method); a suite's own defaults;
+the value suite's table of times to 55% and 60% and its critics' explained variance."""
 
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +14,13 @@ from benchmarks.common import Point, aggregate, pick_methods
 from benchmarks.compare import (
     critic_fit,
     objectives_at,
+    parse_args,
     print_critic_fit,
     print_times_to_targets,
     suites,
 )
 from tba.config import load_config
+from tba.keys import get_key
 
 
 def test_only_keeps_the_named_methods_in_the_order_given():
@@ -89,7 +93,49 @@ def test_critic_fit_averages_the_last_steps_and_the_quarters_leaving_out_constan
 def test_every_method_of_every_suite_is_a_valid_config():
     for suite, methods in suites(argparse.Namespace(trl_lr=5e-5)).items():
         for name, method in methods.items():
-            if method.runner is None:  # `tba train` with these overrides
-                config = load_config(None, method.overrides)
-                if suite == "long":
-                    assert config.train.max_minutes == 90, name
+            # `tba train` with these overrides, or the settings another runner starts from.
+            config = load_config(None, method.overrides)
+            if suite == "long":
+                assert config.train.max_minutes == 90, name
+
+
+def test_the_smollm2_suites_train_one_model_with_one_batch_length_and_learning_rate():
+    """tba asynchronous, tba synchronous and TRL see the same model, prompts, reward, B x K,
+    length, temperature and learning rate; only the mode (and who trains) differs."""
+    every = suites(argparse.Namespace(trl_lr=5e-5))
+    shared = ("policy.model", "policy.chat_template", "policy.max_new_tokens",
+              "policy.temperature", "task.name", "task.reward_funcs", "task.train_path",
+              "train.num_prompts", "train.group_size", "train.learning_rate", "train.truncated")
+    for suite in ("smollm2-quickstart", "smollm2-math"):
+        methods = every[suite]
+        assert list(methods) == ["tba-async", "tba-sync", "trl"]
+        configs = {name: load_config(None, m.overrides).model_dump() for name, m in methods.items()}
+        for key in shared:
+            assert len({json.dumps(get_key(c, key)) for c in configs.values()}) == 1, (suite, key)
+        modes = {name: c["train"]["mode"] for name, c in configs.items() if name != "trl"}
+        assert modes == {"tba-async": "async", "tba-sync": "sync"}
+        assert all(m.runner is not None for m in methods.values())
+    quickstart = load_config(None, every["smollm2-quickstart"]["trl"].overrides)
+    assert (quickstart.train.num_prompts, quickstart.train.group_size) == (2, 8)
+    assert quickstart.policy.max_new_tokens == 32 and quickstart.train.learning_rate == 2e-5
+    assert quickstart.policy.model == "pypi:smollm2-135m-instruct"
+    recipe = load_config(Path("configs/smollm2_math.yaml"))
+    math_config = load_config(None, every["smollm2-math"]["trl"].overrides)
+    for key in ("max_new_tokens", "temperature", "chat_template", "model"):
+        assert getattr(math_config.policy, key) == getattr(recipe.policy, key), key
+    # The sweep: the recipe, asynchronous, one setting changed at a time.
+    sweep = {name: load_config(None, m.overrides) for name, m in every["smollm2-sweep"].items()}
+    assert sweep["recipe"].train.learning_rate == recipe.train.learning_rate
+    assert sweep["lr1e-4"].train.learning_rate == 1e-4 and sweep["lora16"].lora.r == 16
+    assert {c.train.mode for c in sweep.values()} == {"async"}
+
+
+def test_a_smollm2_suite_has_its_own_defaults_and_the_others_keep_theirs():
+    _, args = parse_args(["--suite", "smollm2-math"])
+    assert (args.minutes, args.seeds, args.snapshot_minutes, args.num_eval) == (30.0, 3, 5.0, 256)
+    assert args.target is None and args.out == Path("runs/compare_smollm2_math")
+    _, args = parse_args(["--suite", "smollm2-quickstart", "--minutes", "2", "--seeds", "1"])
+    assert (args.minutes, args.seeds, args.snapshot_minutes) == (2.0, 1, 2.5)
+    _, args = parse_args(["--suite", "stress"])
+    assert (args.minutes, args.seeds, args.target, args.snapshot_minutes, args.num_eval,
+            args.out) == (5.0, 3, 0.55, 0.5, 1024, Path("runs/compare"))  # fmt: skip

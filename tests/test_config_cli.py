@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from tba.cli import main
 from tba.config import ConfigError, RunConfig, dump_config, load_config, reference_page
+from tba.config.base import Section
 from tba.limits import step_limit
 
 
@@ -309,9 +310,18 @@ def test_runtime_settings_are_validated(override, key):
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = ""):
+    """Every setting and its default; a section of several kinds (`searchers.weight_transfer`):
+    the field that picks the kind, then each kind's own settings."""
     for name, field in model.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if isinstance(annotation, type) and issubclass(annotation, Section) and \
+                annotation.variants():  # fmt: skip
+            kind = annotation.shorthand
+            yield f"{prefix}{name}.{kind}", getattr(field.default, kind)
+            for variant in annotation.variants().values():
+                yield from ((f"{prefix}{name}.{setting}", f.default)
+                            for setting, f in variant.model_fields.items() if setting != kind)
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
             yield from _leaf_fields(annotation, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", field.default

@@ -20,7 +20,7 @@ import torch
 from huggingface_hub import constants
 from peft.tuners.lora import LoraLayer
 from safetensors.numpy import load_file
-from tiny_models import build_model, teach_to_stop, train_tokenizer
+from tiny_models import build_model, task_texts, teach_to_stop, train_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from tba.cli import main
@@ -74,6 +74,27 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
+# Every completion of a call gets a reward of its own: the rewards of a group always differ.
+DISTINCT_REWARD = """
+def distinct(completions, **kwargs):
+    return [i / len(completions) for i in range(len(completions))]
+"""
+
+
+@pytest.fixture(scope="module")
+def distinct_rewards(tmp_path_factory) -> list[str]:
+    """Overrides for runs whose steps must have a gradient whatever was sampled: the task's
+    prompts, each completion rewarded by its place in the batch. (With the math task's reward,
+    the tiny models answer wrong almost always: with equal rewards in every group, TB's gradient
+    at the base policy is exactly zero, and whether a step has one depends on the draws.)"""
+    root = tmp_path_factory.mktemp("distinct")
+    (root / "rewards.py").write_text(DISTINCT_REWARD)
+    prompts, _ = task_texts(16)
+    (root / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return ["task.name=custom", f"task.train_path={root / 'train.jsonl'}",
+            f"task.reward_funcs=[{root / 'rewards.py'}:distinct]"]  # fmt: skip
+
+
 def train_run(tmp_path: Path, model_dir: Path | str, *overrides: str) -> Path:
     run_dir = tmp_path / "run"
     args = ["train", f"policy.model={model_dir}", *FAST, *overrides, f"output_dir={run_dir}"]
@@ -89,9 +110,9 @@ def assert_trained(run_dir: Path) -> None:
     steps = step_records(run_dir)
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
-    assert any(r["grad_norm"] > 0 for r in steps)
+    assert all(r["grad_norm"] > 0 for r in steps)  # `distinct_rewards`: whatever was sampled
     summary = json.loads((run_dir / "eval.json").read_text())
-    assert summary["steps"] == 3 and "eval_pass@1" in summary["final"]
+    assert summary["steps"] == 3 and "eval_reward" in summary["final"]
 
 
 def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
@@ -103,8 +124,8 @@ def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_full_fine_tuning_in_fp32(tmp_path, model_dirs, arch):
-    run_dir = train_run(tmp_path, model_dirs[arch])
+def test_full_fine_tuning_in_fp32(tmp_path, model_dirs, distinct_rewards, arch):
+    run_dir = train_run(tmp_path, model_dirs[arch], *distinct_rewards)
     assert_trained(run_dir)
     base = load_model(str(model_dirs[arch]), "cpu").state_dict()
     final = load_model(str(run_dir / "final"), "cpu").state_dict()
@@ -114,8 +135,9 @@ def test_full_fine_tuning_in_fp32(tmp_path, model_dirs, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_weights_train_through_fp32_master_weights(tmp_path, model_dirs, arch):
-    run_dir = train_run(tmp_path, model_dirs[arch], "policy.dtype=bfloat16")
+def test_bf16_weights_train_through_fp32_master_weights(tmp_path, model_dirs, distinct_rewards,
+                                                        arch):  # fmt: skip
+    run_dir = train_run(tmp_path, model_dirs[arch], *distinct_rewards, "policy.dtype=bfloat16")
     assert_trained(run_dir)
     base = load_model(str(model_dirs[arch]), "cpu", torch.bfloat16).state_dict()
     final = load_model(str(run_dir / "final"), "cpu", torch.float32).state_dict()
@@ -130,8 +152,11 @@ def test_bf16_weights_train_through_fp32_master_weights(tmp_path, model_dirs, ar
     "arch, extra",
     [("llama", []), ("gpt2", []), ("qwen2", []), ("qwen2", ["policy.dtype=bfloat16"])],
 )
-def test_lora_trains_adapters_and_leaves_the_rest_of_the_policy(tmp_path, model_dirs, arch, extra):
-    overrides = ["lora.r=4", "lora.alpha=8", "eval.snapshot_minutes=0.0001", *extra]
+def test_lora_trains_adapters_and_leaves_the_rest_of_the_policy(
+    tmp_path, model_dirs, distinct_rewards, arch, extra
+):
+    overrides = [*distinct_rewards, "lora.r=4", "lora.alpha=8", "eval.snapshot_minutes=0.0001",
+                 *extra]  # fmt: skip
     run_dir = train_run(tmp_path, model_dirs[arch], *overrides)
     assert_trained(run_dir)
     dtype = torch.bfloat16 if extra else torch.float32
@@ -164,19 +189,21 @@ def test_lora_adapter_in_final_reproduces_the_merged_policy(tmp_path, model_dirs
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits)
 
 
-def test_gradient_checkpointing_and_micro_batches_train(tmp_path, model_dirs):
-    overrides = ["train.gradient_checkpointing=true", "train.micro_batch_groups=1"]
+def test_gradient_checkpointing_and_micro_batches_train(tmp_path, model_dirs, distinct_rewards):
+    overrides = [*distinct_rewards, "train.gradient_checkpointing=true",
+                 "train.micro_batch_groups=1"]  # fmt: skip
     run_dir = train_run(tmp_path, model_dirs["gpt2"], *overrides)
     assert_trained(run_dir)
     assert load_config(run_dir / "config.yaml").train.micro_batch_groups == 1
 
 
-def test_chat_template_wraps_prompts(tmp_path, model_dirs):
+def test_chat_template_wraps_prompts(tmp_path, model_dirs, distinct_rewards):
     tokenizer = load_tokenizer(str(model_dirs["qwen2"]), chat_template=True)
     [ids] = encode_prompts(tokenizer, ["Q?\n"], chat_template=True)
     text = "<|im_start|>user\nQ?\n<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(ids) == text
-    run_dir = train_run(tmp_path, model_dirs["qwen2"], "policy.chat_template=true")
+    run_dir = train_run(tmp_path, model_dirs["qwen2"], *distinct_rewards,
+                        "policy.chat_template=true")  # fmt: skip
     assert_trained(run_dir)
 
 
@@ -388,7 +415,8 @@ def test_lora_sync_sends_only_adapter_tensors(model_dirs):
     # Training moved the adapters only: every base weight is bit for bit what it was.
     after = {n: t for n, t in trainer.model.state_dict().items() if "lora_" not in n}
     assert not changed(base_before, after)
-    weights, version, step = trainer.next_version()
+    version, step = trainer.publish()
+    weights = trainer.weights()
     adapted = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
     assert len(adapted) == 2 * 7  # 2 blocks x (q, k, v, o, gate, up, down)
     assert len(weights) == 2 * len(adapted)
@@ -416,7 +444,8 @@ def test_lora_sync_sends_only_adapter_tensors(model_dirs):
 
 def test_lora_searcher_samples_carry_base_model_reference_log_probs(model_dirs):
     trainer, searcher, _, tokenizer = lora_pair(model_dirs)
-    searcher.set_weights(*trainer.next_version())
+    version, step = trainer.publish()
+    searcher.set_weights(trainer.weights(), version, step)
     samples, _ = searcher.generate(num_prompts=1)
     base = load_model(str(model_dirs["llama"]), "cpu").eval()
     with torch.no_grad():

@@ -189,9 +189,13 @@ def test_a_checkpoint_resumes_only_with_its_optimizers_form():
     with pytest.raises(CheckpointError, match=r"train.optimizer='adamw_8bit' \(this run: "
                                               r"'adamw'\)"):  # fmt: skip
         check_compatible(eight, saved, Path("ckpt"))
-    none = load_config(None, ["train.master_weights=none"]).model_dump()
+    bf16 = load_config(None, ["policy.dtype=bfloat16"]).model_dump()
+    none = load_config(None, ["policy.dtype=bfloat16", "train.master_weights=none"]).model_dump()
     with pytest.raises(CheckpointError, match=r"train.master_weights='none' \(this run: 'fp32'"):
-        check_compatible(none, saved, Path("ckpt"))
+        check_compatible(none, bf16, Path("ckpt"))
+    # fp32 weights have neither master copies nor compensations: the same state either way.
+    check_compatible(saved, load_config(None, ["train.master_weights=none"]).model_dump(),
+                     Path("ckpt"))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- TRL

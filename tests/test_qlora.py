@@ -152,7 +152,12 @@ def test_a_quantized_base_needs_adapters_and_bitsandbytes(monkeypatch):
 
 
 # A lambda: Ray's searcher processes receive it by value (a test module is not importable there).
-reward_length = lambda completions, **kwargs: [float(len(c)) for c in completions]  # noqa: E731
+# Every completion of a call gets a reward of its own: the rewards of a group always differ, so
+# every step has a gradient whatever was sampled (with equal rewards, TB's gradient at the base
+# policy is exactly zero).
+reward_distinct = lambda completions, **kwargs: [  # noqa: E731
+    i / len(completions) for i in range(len(completions))
+]
 
 
 ROWS = [{"prompt": f"Q{i}\n"} for i in range(8)]
@@ -172,7 +177,7 @@ def test_trls_qlora_recipe_trains_its_adapters(tmp_path, policy_dir, mode):
         train={"mode": mode}, searchers={"count": 0 if mode == "sync" else 1, "num_cpus": 1},
         policy={"num_threads": 1}, task={"num_eval": 4},
     )  # fmt: skip
-    trainer = TBATrainer(str(policy_dir), reward_length, args=args, train_dataset=ROWS,
+    trainer = TBATrainer(str(policy_dir), reward_distinct, args=args, train_dataset=ROWS,
                          peft_config=peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
     assert trainer.args.quantization.bits == 4 and trainer.args.lora.r == 4
     result = trainer.train()
@@ -187,7 +192,7 @@ def test_trls_qlora_recipe_trains_its_adapters(tmp_path, policy_dir, mode):
 def test_a_model_loaded_quantized_is_loaded_alike_by_the_run(tmp_path, policy_dir):
     model = AutoModelForCausalLM.from_pretrained(
         policy_dir, quantization_config=QLORA, device_map={"": "cpu"})  # fmt: skip
-    trainer = TBATrainer(model, reward_length, args=TBAConfig(output_dir=str(tmp_path / "run")),
+    trainer = TBATrainer(model, reward_distinct, args=TBAConfig(output_dir=str(tmp_path / "run")),
                          train_dataset=ROWS, peft_config=peft.LoraConfig(r=4))  # fmt: skip
     assert trainer.args.policy.model == str(policy_dir)
     assert trainer.args.quantization.model_dump() == {"bits": 4, "quant_type": "nf4",

@@ -216,7 +216,7 @@ def test_trainer_state_round_trips_exactly_through_a_checkpoint(tmp_path, tiny_m
 
     first = trainer(frozen_copy(tiny_model).requires_grad_(True))
     first.step([group], beta=0.1)
-    first.next_version()
+    first.publish()
     state = {"trainer": first.state_dict(), "buffer": ReplayBuffer(1).state_dict()}
     save_checkpoint(tmp_path, 1, state, keep=1)  # the two trainers must share no tensor
     second = trainer(frozen_copy(tiny_model).requires_grad_(True))

@@ -345,7 +345,7 @@ def test_ray_init_keeps_the_signal_handlers_of_a_process_that_has_them():
 
     previous = signal.signal(signal.SIGTERM, ours)
     try:
-        with ray_cluster._signal_handlers_kept(Ray):
+        with ray_cluster._signals_wait_for(Ray):
             Ray._private.utils.set_sigterm_handler(lambda signum, frame: None)  # what init does
             signal.signal(signal.SIGINT, signal.default_int_handler)
         assert set_by_ray == [] and signal.getsignal(signal.SIGTERM) is ours

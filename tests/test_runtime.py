@@ -16,9 +16,9 @@ from tba.config import load_config
 from tba.core import Sample
 from tba.loop import trainer_threads
 from tba.runtime.feed import make_feed
-from tba.runtime.pool import Searchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_pool import searcher_seed
+from tba.runtime.transfer import Offer
 from tba.searcher import SearchSettings
 from tba.trainer import Trainer
 
@@ -44,9 +44,6 @@ class FakeTrainer(Trainer):
 class FakeSearchers:
     """Makes one group of samples per call, with the version it was last given."""
 
-    needs_weights = True
-    publish_from = Searchers.publish_from
-
     def __init__(self, group_size: int = 2) -> None:
         self.group_size = group_size
         self.published: list[int] = []
@@ -55,7 +52,8 @@ class FakeSearchers:
         self.prompt = 0
         self.seq = 0
 
-    def offer_weights(self, weights, version: int, step: int) -> None:
+    def publish(self, trainer) -> None:
+        version, _ = trainer.publish()
         self.published.append(version)
 
     def start(self) -> None:
@@ -148,7 +146,7 @@ def test_staleness_bound_below_k_keeps_the_newest_weights():
 
 def test_feed_drops_duplicates_and_counts_gaps():
     feed, trainer, searchers, buffer = feed_for("train.mode=sync", "searchers.count=0")
-    trainer.next_version()
+    trainer.publish()
     feed._merge([sample(0, 1, seq) for seq in (0, 1, 2)], {})
     feed._merge([sample(0, 1, seq) for seq in (2, 3, 6)], {})  # 2 again; 4 and 5 never arrived
     feed._merge([sample(1, 1, 0, incarnation=1)], {})  # a restarted searcher numbers from 0
@@ -210,7 +208,7 @@ def worker(tmp_path, tiny_model, tokenizer):
 
 def test_searcher_loop_hands_over_each_sample_once_and_bounds_its_outbox(worker):
     # Version 0 is what the worker loaded, so nothing is fetched from an object store here.
-    worker.start(prompts_per_batch=2, max_unsent=12, version=0, step=0, refs=[None])
+    worker.start(prompts_per_batch=2, max_unsent=12, offer=Offer(0, 0))
     handed: list[Sample] = []
     deadline = time.time() + 30
     while len(handed) < 30 and time.time() < deadline:
@@ -237,7 +235,7 @@ def test_a_closed_ledger_is_final_while_the_loop_goes_on(worker, tmp_path):
     it made once, and counts the rest of it as handed over or discarded, never in neither."""
     ledger = tmp_path / "searcher1-0.json"
     worker.ledger_path = str(ledger)
-    worker.start(prompts_per_batch=1, max_unsent=100, version=0, step=0, refs=[None])
+    worker.start(prompts_per_batch=1, max_unsent=100, offer=Offer(0, 0))
     deadline = time.time() + 30
     while not ledger.exists() and time.time() < deadline:
         time.sleep(0.01)
@@ -256,7 +254,7 @@ def test_searcher_loop_failure_is_reported_by_collect(worker):
         raise ValueError("reward server down")
 
     worker.searcher.scorer.reward_fns = [broken]
-    worker.start(prompts_per_batch=1, max_unsent=10, version=0, step=0, refs=[None])
+    worker.start(prompts_per_batch=1, max_unsent=10, offer=Offer(0, 0))
     deadline = time.time() + 30
     # Each failed call only drops its completions; five in a row stop the loop.
     match = "^RewardError: reward function 'broken' failed on its last 5 calls.*reward server down"

@@ -94,17 +94,6 @@ def test_reference_scoring_never_exceeds_the_trainers_micro_batch(tiny_model, to
         assert parted.ref_token_logps == pytest.approx(whole.ref_token_logps, abs=1e-5)
 
 
-def test_gradient_checkpointing_auto_is_on_a_gpu_only():
-    from tba.policy.model import checkpointing_wanted
-
-    assert TrainConfig().gradient_checkpointing == "auto"
-    assert checkpointing_wanted("auto", torch.device("cuda")) is True
-    assert checkpointing_wanted("auto", "cuda:1") is True
-    assert checkpointing_wanted("auto", "cpu") is False
-    assert checkpointing_wanted(True, "cpu") is True
-    assert checkpointing_wanted(False, "cuda") is False
-
-
 def test_an_exploration_temperature_changes_the_sampler_not_the_reference(tiny_model, tokenizer):
     searcher = Searcher(
         tiny_model, tokenizer, ROWS, [always_one], settings(sample_temperature=2.0), seed=0

@@ -66,7 +66,7 @@ def test_the_searcher_samples_with_the_trainers_module_and_no_numpy(
     monkeypatch.setattr(torch.Tensor, "numpy", counted)
     config = load_config(None, OVERRIDES)
     trainer, searchers = run_steps(config, policy_dir, tokenizer, tmp_path, steps=3)
-    assert searchers.searcher.policy is trainer.model and not searchers.needs_weights
+    assert searchers.searcher.policy is trainer.model and searchers.searcher.shares_trainer_model
     assert numpy_calls == []
     assert trainer.model.training  # the searcher left it as the trainer needs it
     assert all(p.requires_grad for p in trainer.model.parameters())

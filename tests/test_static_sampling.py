@@ -1,6 +1,8 @@
-"""The static path of the built-in sampler (`tba.policy.sampling.StaticSampler`) against the loop:
-the same greedy responses, the trainer's log-probs on its samples, draws that follow the softmax,
-few host synchronisations and one compilation per bucket.
+"""The built-in sampler's two paths: the loop (its KV cache written in place, the prefill's logits
+at the last position only, its variants for measurements) and the static path
+(`tba.policy.sampling.StaticSampler`) against it: the same greedy responses, the same samples from
+one seed, the trainer's log-probs on their samples, draws that follow the softmax, few host
+synchronisations and one compilation per bucket.
 
 `compiled` here traces the decode step with torch.compile's `eager` backend (dynamo's whole-graph
 capture, the guards and the recompilations, without inductor's code generation, which takes
@@ -14,6 +16,7 @@ import weakref
 from collections import Counter
 from unittest import mock
 
+import peft
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -29,12 +32,14 @@ from transformers import (
 from tba.config import load_config
 from tba.errors import ConfigError
 from tba.evaluation import EvalSettings
-from tba.policy.decoding import draw_tokens
+from tba.policy.decoding import draw_tokens, prefill
 from tba.policy.engines import BuiltinEngine
+from tba.policy.kv_cache import PreallocatedLayer, logits_keyword, preallocated_cache
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import enable_checkpointing, is_checkpointing
 from tba.policy.sampling import (
     LoopSampler,
+    LoopVariant,
     StaticSampler,
     bucket,
     generate,
@@ -234,9 +239,10 @@ def test_a_token_owns_exactly_its_probabilitys_share_of_the_uniform_numbers():
     assert draw_tokens(log_probs, uniform).tolist() == [1, 1, 2, 4, 4]
 
 
-def test_the_samplers_first_tokens_follow_the_models_softmax(model):
+@pytest.mark.parametrize("kind", ["loop", "static"])
+def test_the_samplers_first_tokens_follow_the_models_softmax(model, kind):
     prompt, rows = [1, 5, 6, 7], 4096
-    sampler = static_sampler(model, "static")
+    sampler = LoopSampler(model) if kind == "loop" else static_sampler(model, "static")
     out = sampler.generate([prompt] * rows, eos_id=-1, pad_id=PAD, max_new_tokens=1,
                            generator=torch.Generator().manual_seed(1))  # fmt: skip
     with torch.no_grad():
@@ -452,3 +458,132 @@ def test_the_builtin_engine_on_the_static_path_resumes_its_random_state(model):
     again = engine(99)
     again.load_state_dict(state)
     assert again.generate(PROMPTS, max_new_tokens=8, temperature=1.0) == after
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def sliding_window_model() -> torch.nn.Module:
+    """A Qwen2 whose layers all attend over a window of 4 positions (Hugging Face keeps their
+    caches in sliding-window layers, which the static path does not serve)."""
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
+        max_window_layers=0, initializer_range=0.3,
+    )).eval()  # fmt: skip
+
+
+def test_a_preallocated_layer_writes_in_place_and_shows_the_filled_positions():
+    keys, values = torch.zeros(3, 2, 6, 4), torch.zeros(3, 2, 6, 4)
+    layer = PreallocatedLayer(keys, values, filled=2)
+    assert layer.get_seq_length() == 2 and layer.get_mask_sizes(1) == (3, 0)
+    new = torch.randn(3, 2, 1, 4)
+    got_keys, got_values = layer.update(new, -new)
+    assert got_keys.data_ptr() == keys.data_ptr() and got_keys.shape == (3, 2, 3, 4)
+    assert torch.equal(keys[:, :, 2:3], new) and torch.equal(values[:, :, 2:3], -new)
+    assert layer.get_seq_length() == 3 and layer.get_max_length() == 6
+    # A row selection (Hugging Face's) selects the buffers' rows: later tokens land in them.
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    layer.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))
+    assert torch.equal(layer.keys[:, :, 2], new[[2, 0], :, 0]) and layer.keys[:, :, 3].eq(1).all()
+    with pytest.raises(ValueError, match="6 positions cannot hold 7"):
+        layer.update(torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4))
+
+
+def test_the_prefill_is_copied_into_a_cache_for_the_whole_generation(model):
+    p = prefill(model, PROMPTS, PAD)
+    rows = torch.tensor(p.rows)
+    cache = preallocated_cache(p.cache, rows, p.width + MAX_NEW)
+    for layer, source in zip(cache.layers, p.cache.layers, strict=True):
+        assert isinstance(layer, PreallocatedLayer)
+        assert layer.key_buffer.shape[:3] == (len(PROMPTS), source.keys.size(1), 9 + MAX_NEW)
+        assert torch.equal(layer.keys, source.keys[rows])
+        assert torch.equal(layer.values, source.values[rows])
+    # Layers that keep other state than plain keys and values: the dynamic cache is kept.
+    windowed = prefill(sliding_window_model(), PROMPTS, PAD)
+    assert preallocated_cache(windowed.cache, rows, windowed.width + MAX_NEW) is None
+
+
+@pytest.mark.parametrize("variant", [LoopVariant(preallocate=False),
+                                     LoopVariant(last_logits_only=False)])  # fmt: skip
+def test_the_loops_cache_and_prefill_change_nothing_it_generates(model, variant):
+    """The preallocated cache and the prefill's last logits give the responses and log-probs of
+    the dynamic cache and of logits everywhere, greedy and sampled from one seed."""
+    eos = greedy_eos(model, PROMPTS)
+    for options in (dict(greedy=True), dict(temperature=0.8)):
+        ours, theirs = (generate(model, PROMPTS * 2, eos_id=eos, pad_id=PAD,
+                                 max_new_tokens=MAX_NEW, generator=torch.Generator().manual_seed(2),
+                                 variant=v, **options)
+                        for v in (LoopVariant(), variant))  # fmt: skip
+        assert_same(ours, theirs, tol=1e-6)
+
+
+def test_a_sliding_window_model_generates_on_the_dynamic_cache():
+    model = sliding_window_model()
+    options = dict(eos_id=-1, pad_id=PAD, max_new_tokens=MAX_NEW, greedy=True)
+    ours = generate(model, PROMPTS, **options)
+    assert_same(ours, generate(model, PROMPTS, variant=LoopVariant(preallocate=False), **options))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "lora"])
+def test_the_prefill_runs_the_output_head_at_the_last_position_only(arch):
+    if arch == "gpt2":
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2,
+                                           n_head=2)).eval()  # fmt: skip
+    else:
+        model = tiny("llama")
+    if arch == "lora":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert logits_keyword(model) == "logits_to_keep"
+    positions = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda m, i, output: positions.append(output.size(1)))
+    try:
+        last = prefill(model, PROMPTS, PAD)
+        everywhere = prefill(model, PROMPTS, PAD, last_logits_only=False)
+    finally:
+        handle.remove()
+    assert positions == [1, 9]  # the longest of the distinct prompts: 9 tokens
+    torch.testing.assert_close(last.logits, everywhere.logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", [LoopVariant(), LoopVariant(inverse_draw=False)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_loops_sampled_log_probs_are_the_trainers(model, variant, temperature):
+    """Both draws (tba's, and torch.multinomial's kept to measure against)."""
+    eos = 3
+    handle = add_eos_bias(model, eos)
+    try:
+        prompts = PROMPTS * 4
+        out = LoopSampler(model, variant).generate(
+            prompts, eos_id=eos, pad_id=PAD, max_new_tokens=MAX_NEW, temperature=temperature,
+            generator=torch.Generator().manual_seed(0))  # fmt: skip
+        with torch.no_grad():
+            trainer, mask = token_logprobs(model, prompts, out.response_ids, pad_id=PAD,
+                                           temperature=temperature)  # fmt: skip
+    finally:
+        handle.remove()
+    assert len({len(r) for r in out.response_ids}) >= 4 and any(out.truncated)
+    for row, response in enumerate(out.response_ids):
+        assert len(out.token_logps[row]) == len(response) == int(mask[row].sum())
+        assert out.token_logps[row] == pytest.approx(trainer[row, : len(response)].tolist(),
+                                                     abs=1e-5)  # fmt: skip
+
+
+def test_one_seed_draws_the_same_samples_on_the_loop_and_the_static_path(model):
+    """One uniform number a row on both paths, for the generation's own rows (here 12 in a bucket
+    of 16): the same samples, up to the rounding of the logits."""
+    eos = 3
+    handle = add_eos_bias(model, eos)
+    try:
+        prompts, samplers = PROMPTS * 2, (LoopSampler(model), static_sampler(model, "static"))
+        loop, static = (sampler.generate(prompts, eos_id=eos, pad_id=PAD, max_new_tokens=MAX_NEW,
+                                         temperature=0.8,
+                                         generator=torch.Generator().manual_seed(4))
+                        for sampler in samplers)  # fmt: skip
+    finally:
+        handle.remove()
+    assert len({len(r) for r in loop.response_ids}) >= 3
+    assert_same(static, loop)

@@ -35,7 +35,11 @@ SMALL_EVAL = "task.num_eval=8 eval.batch_size=8"
 STEPS = {"grpo_lora_without_regret": 4, "grpo_cookbook": None}  # None: its one epoch, 2 steps
 
 
-@pytest.mark.parametrize("name", NAMES)
+# TRL's quickstart as a user ran it on SmolLM2 (run in tests/test_trl_smollm2.py, on that model).
+PAIRS = [*NAMES, "grpo_quickstart_smollm2"]
+
+
+@pytest.mark.parametrize("name", PAIRS)
 def test_a_trl_script_ports_by_changing_three_lines(name):
     trl = (PORTS / f"{name}_trl.py").read_text().splitlines()
     tba = (PORTS / f"{name}_tba.py").read_text().splitlines()

@@ -1,8 +1,7 @@
-"""The weight hand-off through shared buckets (`tba.runtime.weight_buckets`) and their broadcast
-(`tba.runtime.weight_broadcast`, over gloo here): packing bit-exact, LoRA's adapters alone, one
-whole version per generation, a searcher joining late or dying, and (slow, with Ray) searcher
-actors that hold the trainer's weights after every publish, sample what those weights sample,
-and get them again after a restart."""
+"""The weight transports (`tba.runtime.transfer`): shared buckets and their broadcast (over gloo
+here), packing bit-exact, LoRA's adapters alone, one whole version per generation, a searcher
+joining late or dying, and (slow, with Ray) searcher actors that hold the trainer's weights after
+every publish, sample what those weights sample, and get them again after a restart."""
 
 from __future__ import annotations
 
@@ -16,18 +15,26 @@ import pytest
 import torch
 
 from tba.config import LoraConfig, load_config
+from tba.config.transfer import BroadcastTransfer, SharedTransfer
 from tba.errors import RunError
 from tba.policy.model import add_lora, get_weights, published_state, set_weights
-from tba.runtime.weight_broadcast import RECEIVER_THREAD, BroadcastHub, BroadcastReceiver
-from tba.runtime.weight_buckets import (
-    BucketReader,
+from tba.runtime.transfer import (
+    Candidate,
     CannotAttach,
-    WeightBuckets,
+    Offer,
+    ReceiverPlace,
+    SenderPlace,
+)
+from tba.runtime.transfer.broadcast import RECEIVER_THREAD, BroadcastReceiver, BroadcastSender
+from tba.runtime.transfer.buckets import (
+    BucketCache,
+    BucketSets,
     bucket_views,
     pack,
     plan,
     unpack,
 )
+from tba.runtime.transfer.shared import SharedReceiver, SharedSender
 
 
 def always_one(prompts, completions, **columns):
@@ -48,6 +55,39 @@ def assert_same_weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> N
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+
+
+class Held:
+    """A trainer's stand-in for the senders: its module, in this process."""
+
+    trains_here = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return get_weights(self.model)
+
+
+def sender_place(node: str | None = None) -> SenderPlace:
+    return SenderPlace(node=node, host="127.0.0.1", timeout_s=30, buckets=BucketCache())
+
+
+def receiver_place(name: str = "s0", node: str | None = None, timeout_s: float = 30):
+    return ReceiverPlace(node=node, host="127.0.0.1", name=name, timeout_s=timeout_s)
+
+
+def shared_sender(model: torch.nn.Module, node: str | None = None, sets: int = 2):
+    return SharedSender(SharedTransfer(sets=sets), Held(model), sender_place(node))
+
+
+def broadcast_sender(model: torch.nn.Module) -> BroadcastSender:
+    return BroadcastSender(BroadcastTransfer(), Held(model), sender_place())
+
+
+def close(sender) -> None:
+    sender.close()
+    sender.place.buckets.close()
 
 
 # ------------------------------------------------------------------------ packing, without Ray
@@ -84,25 +124,26 @@ def test_pack_and_unpack_are_bit_exact_per_dtype_and_tied_tensors_travel_once():
 def test_searcher_copies_each_publish_bit_exact_through_shared_buckets(tiny_model):
     trainer_model = tiny_model
     searcher_model = type(tiny_model)(tiny_model.config).eval()
-    buckets = WeightBuckets(trainer_model)
+    sender = shared_sender(trainer_model)
+    buckets = sender.sets
     try:
         assert buckets.device.type == "cpu" and len(buckets.sets) == 2
         # Tied embeddings travel once: the buckets hold each distinct tensor once.
         distinct = {p.data_ptr(): p.numel() for p in trainer_model.state_dict().values()}
         assert buckets.nbytes == 4 * sum(distinct.values())
-        reader = BucketReader(buckets.handles(), searcher_model, node=None)
-        assert reader.copy_newest(newer_than=0) is None  # nothing published yet
+        reader = SharedReceiver.attach(sender.handles(), searcher_model, receiver_place())
+        assert reader.receive(searcher_model, 0, None) is None  # nothing published yet
         for version in (1, 2, 3):
             perturb(trainer_model, seed=version)
-            buckets.publish(version, step=10 * version)
-            assert reader.copy_newest(newer_than=version - 1) == (version, 10 * version)
+            sender.publish(version, step=10 * version)
+            assert reader.receive(searcher_model, version - 1, None) == (version, 10 * version)
             assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
-            assert reader.copy_newest(newer_than=version) is None
+            assert reader.receive(searcher_model, version, None) is None
         # A parameter replaced (not updated in place) is found again.
         norm = trainer_model.model.norm
         norm.weight = torch.nn.Parameter(torch.full_like(norm.weight, 3.0))
-        buckets.publish(4, step=40)
-        assert reader.copy_newest(newer_than=3) == (4, 40)
+        sender.publish(4, step=40)
+        assert reader.receive(searcher_model, 3, None) == (4, 40)
         assert torch.equal(searcher_model.model.norm.weight, norm.weight)
         # The buckets' numpy copy is the newest version, as `get_weights` gives it.
         version, step, weights = buckets.latest_numpy()
@@ -110,61 +151,61 @@ def test_searcher_copies_each_publish_bit_exact_through_shared_buckets(tiny_mode
         assert_same_weights(weights, get_weights(trainer_model))
         reader.close()
     finally:
-        buckets.close()
+        close(sender)
 
 
 def test_bf16_weights_travel_as_bf16(tiny_model):
     trainer_model = tiny_model.to(torch.bfloat16)
     searcher_model = type(tiny_model)(tiny_model.config).to(torch.bfloat16).eval()
-    buckets = WeightBuckets(trainer_model)
+    sender = shared_sender(trainer_model)
     try:
-        assert {e.dtype for e in buckets.entries} == {"bfloat16"}
-        reader = BucketReader(buckets.handles(), searcher_model, node=None)
+        assert {e.dtype for e in sender.sets.entries} == {"bfloat16"}
+        reader = SharedReceiver.attach(sender.handles(), searcher_model, receiver_place())
         perturb(trainer_model, seed=1)
-        buckets.publish(1, step=1)
-        assert reader.copy_newest(newer_than=0) == (1, 1)
+        sender.publish(1, step=1)
+        assert reader.receive(searcher_model, 0, None) == (1, 1)
         assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
     finally:
-        buckets.close()
+        close(sender)
 
 
 def test_with_lora_only_the_adapters_travel(tiny_model):
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     trainer_model = add_lora(tiny_model, lora)
     searcher_model = add_lora(type(tiny_model)(tiny_model.config).eval(), lora)
-    buckets = WeightBuckets(trainer_model)
+    sender = shared_sender(trainer_model)
     try:
-        names = [e.name for e in buckets.entries]
+        names = [e.name for e in sender.sets.entries]
         assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
         assert names == list(published_state(trainer_model))
         adapters = sum(p.numel() for n, p in trainer_model.named_parameters() if "lora_" in n)
-        assert buckets.nbytes == 4 * adapters  # fp32 adapters, nothing of the base
-        reader = BucketReader(buckets.handles(), searcher_model, node=None)
+        assert sender.sets.nbytes == 4 * adapters  # fp32 adapters, nothing of the base
+        reader = SharedReceiver.attach(sender.handles(), searcher_model, receiver_place())
         perturb(trainer_model, seed=3)  # only the adapters are trainable
-        buckets.publish(1, step=1)
-        assert reader.copy_newest(newer_than=0) == (1, 1)
+        sender.publish(1, step=1)
+        assert reader.receive(searcher_model, 0, None) == (1, 1)
         assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
     finally:
-        buckets.close()
+        close(sender)
 
 
 def test_a_searcher_that_cannot_map_the_buckets_says_why(tiny_model, tokenizer):
-    buckets = WeightBuckets(tiny_model, node="trainer-node")
+    sender = shared_sender(tiny_model, node="trainer-node")
     try:
         with pytest.raises(CannotAttach, match="another Ray node"):
-            BucketReader(buckets.handles(), tiny_model, node="other-node")
-        handles = buckets.handles() | {"boot_id": "another boot"}
+            SharedReceiver.attach(sender.handles(), tiny_model, receiver_place(node="other-node"))
+        handles = sender.handles() | {"boot_id": "another boot"}
         with pytest.raises(CannotAttach, match="another machine"):
-            BucketReader(handles, tiny_model, node="trainer-node")
+            SharedReceiver.attach(handles, tiny_model, receiver_place(node="trainer-node"))
         other = type(tiny_model)(tiny_model.config.__class__(
             **(tiny_model.config.to_dict() | {"num_hidden_layers": 1})))  # fmt: skip
         with pytest.raises(CannotAttach, match="laid out unlike"):
-            BucketReader(buckets.handles(), other, node="trainer-node")
+            SharedReceiver.attach(sender.handles(), other, receiver_place(node="trainer-node"))
     finally:
-        buckets.close()
+        close(sender)
 
 
-def publish_then_set(buckets: WeightBuckets, version: int, done: threading.Event) -> None:
+def publish_then_set(buckets: BucketSets, version: int, done: threading.Event) -> None:
     buckets.publish(version, step=version)
     done.set()
 
@@ -174,9 +215,10 @@ def test_the_trainer_never_writes_a_set_a_searcher_is_copying(tiny_model):
     the double buffer it writes the other set and does not wait."""
     searcher_model = type(tiny_model)(tiny_model.config).eval()
     for sets, waits in ((1, True), (2, False)):
-        buckets = WeightBuckets(tiny_model, sets=sets)
+        sender = shared_sender(tiny_model, sets=sets)
+        buckets = sender.sets
         try:
-            reader = BucketReader(buckets.handles(), searcher_model, node=None)
+            reader = SharedReceiver.attach(sender.handles(), searcher_model, receiver_place())
             buckets.publish(1, step=1)
             # A copy in progress: the searcher holds the lock of version 1's set.
             fcntl.flock(reader._fds[1 % sets], fcntl.LOCK_SH)
@@ -192,7 +234,7 @@ def test_the_trainer_never_writes_a_set_a_searcher_is_copying(tiny_model):
             assert done.is_set() and buckets.version == 2
             reader.close()
         finally:
-            buckets.close()
+            close(sender)
 
 
 def test_a_publish_during_a_generation_never_mixes_versions(tmp_path, tiny_model, tokenizer):
@@ -230,22 +272,23 @@ def test_a_publish_during_a_generation_never_mixes_versions(tmp_path, tiny_model
                     "gen_seconds": 0.02, "dropped": 0, "truncated_frac": 0.0, "generated": 0}
 
     worker.searcher.generate = slow_generate
-    buckets = WeightBuckets(trainer_model)
+    sender = shared_sender(trainer_model)
     try:
         stamp(1)
-        buckets.publish(1, step=1)
-        worker.start(1, 100, 1, 1, [None], buckets.handles())
+        sender.publish(1, step=1)
+        candidates = (Candidate("shared", SharedReceiver, sender.handles()),)
+        worker.start(1, 100, Offer(1, 1, candidates=candidates))
         for version in range(2, 60):
             stamp(version)
-            buckets.publish(version, step=version)
+            sender.publish(version, step=version)
             time.sleep(0.003)
         deadline = time.time() + 10
         while len(seen) < 20 and time.time() < deadline:
             time.sleep(0.01)
-        assert worker.collect()["weight_transfer"] == "shared"
+        assert worker.collect()["transfer"] == "shared"
     finally:
         worker.stop()
-        buckets.close()
+        close(sender)
     assert len(seen) >= 20
     assert all(before == after == {float(version)} for version, before, after in seen), seen
     assert len({version for version, _, _ in seen}) > 3  # it did adopt new versions meanwhile
@@ -263,18 +306,27 @@ def test_an_offer_only_through_buckets_it_cannot_map_fails_clearly(tmp_path, tin
         SearchSettings.from_config(load_config(None, ["policy.max_new_tokens=2"])),
         searcher_id=0, seed=0, device="cpu", num_threads=1, weights_timeout_s=5,
     )  # fmt: skip
-    buckets = WeightBuckets(tiny_model, node="trainer-node")
-    worker.node = "elsewhere"
+    sender = shared_sender(tiny_model, node="trainer-node")
+    worker.receiving.place = receiver_place(node="elsewhere")
     try:
-        buckets.publish(1, step=0)
-        with pytest.raises(Exception, match="cannot use.*another Ray node.*object_store"):
-            worker.generate_batch(1, 1, 0, [None], buckets.handles())
-        assert worker.weight_transfer == "object_store"
+        sender.publish(1, step=0)
+        candidates = (Candidate("shared", SharedReceiver, sender.handles()),)
+        with pytest.raises(RunError, match="cannot use.*another Ray node.*object_store"):
+            worker.generate_batch(1, Offer(1, 0, candidates=candidates))
+        assert worker.receiving.using is None and "shared" in worker.receiving.declined
     finally:
-        buckets.close()
+        close(sender)
 
 
 # ---------------------------------------------------------------- the broadcast group (gloo)
+
+
+def join_receiver_threads() -> None:
+    """A receiver that gave up may still sit in TCPStore's own connect timeout: a daemon thread
+    inside C++ code when the interpreter exits aborts it (exit 134)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(RECEIVER_THREAD):
+            thread.join(timeout=30)
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "lora"])
@@ -286,17 +338,17 @@ def test_a_searcher_in_the_broadcast_group_holds_each_publish_bit_exact(tiny_mod
     if kind == "lora":
         lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
         trainer_model, searcher_model = add_lora(tiny_model, lora), add_lora(searcher_model, lora)
-    buckets = WeightBuckets(trainer_model)
-    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    hub = broadcast_sender(trainer_model)
+    buckets = hub.buckets
     try:
-        receiver = BroadcastReceiver(hub.handles(), searcher_model, "s0", join_timeout_s=30)
+        receiver = BroadcastReceiver.attach(hub.handles(), searcher_model, receiver_place())
         assert receiver.joined.wait(30)
-        assert receiver.copy_newest(newer_than=-1) is None  # nothing published yet
+        assert receiver.receive(searcher_model, -1, None) is None  # nothing published yet
         for version in (1, 2, 3):
             perturb(trainer_model, seed=version)
-            buckets.publish(version, step=10 * version)
-            hub.published()
-            copied = receiver.copy_newest(newer_than=version - 1, wait_for=version, timeout_s=30)
+            hub.publish(version, step=10 * version)
+            copied = receiver.receive(searcher_model, version - 1, Offer(version, 10 * version),
+                                      wait=True)  # fmt: skip
             assert copied == (version, 10 * version)
             assert_same_weights(get_weights(searcher_model), get_weights(trainer_model))
         # What travels is exactly the buckets: bf16 as bf16, with LoRA the adapters alone.
@@ -304,10 +356,12 @@ def test_a_searcher_in_the_broadcast_group_holds_each_publish_bit_exact(tiny_mod
         assert staged == {d: t.dtype for d, t in buckets.sets[0].items()}
         assert sum(t.numel() * t.element_size() for t in receiver._staging.values()) \
             == buckets.nbytes  # fmt: skip
+        deadline = time.time() + 10  # its thread notes what it sent after the send returns
+        while hub.sent != {"s0": 3} and time.time() < deadline:
+            time.sleep(0.01)
         assert hub.sent == {"s0": 3} and hub.take_lost() == []
     finally:
-        hub.close()
-        buckets.close()
+        close(hub)
 
 
 def join_and_wait(handles, config, ready) -> None:
@@ -315,8 +369,8 @@ def join_and_wait(handles, config, ready) -> None:
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(config)
-    receiver = BroadcastReceiver(handles, model, "doomed", join_timeout_s=30)
-    receiver.copy_newest(newer_than=-1, wait_for=1, timeout_s=30)
+    receiver = BroadcastReceiver.attach(handles, model, receiver_place("doomed"))
+    receiver.receive(model, -1, Offer(1, 1), wait=True)
     ready.set()
     time.sleep(600)
 
@@ -324,58 +378,54 @@ def join_and_wait(handles, config, ready) -> None:
 def test_a_dead_searcher_stalls_no_one_and_a_late_one_gets_the_current_weights(tiny_model):
     """One searcher process joins and is killed; the trainer goes on publishing to another, and
     a searcher joining later is sent the newest version at once, with no new publish."""
-    buckets = WeightBuckets(tiny_model)
-    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    hub = broadcast_sender(tiny_model)
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
     process = context.Process(target=join_and_wait, args=(hub.handles(), tiny_model.config, ready))
     try:
-        buckets.publish(1, step=1)
-        hub.published()
+        hub.publish(1, step=1)
         process.start()
         live_model = type(tiny_model)(tiny_model.config).eval()
-        live = BroadcastReceiver(hub.handles(), live_model, "live", join_timeout_s=30)
-        assert ready.wait(60) and live.copy_newest(-1, wait_for=1, timeout_s=30) == (1, 1)
+        live = BroadcastReceiver.attach(hub.handles(), live_model, receiver_place("live"))
+        assert ready.wait(60)
+        assert live.receive(live_model, -1, Offer(1, 1), wait=True) == (1, 1)
         process.kill()
         process.join(10)
         for version in (2, 3):
             perturb(tiny_model, seed=version)
-            buckets.publish(version, step=version, timeout_s=30)
-            hub.published()
-            assert live.copy_newest(version - 1, wait_for=version, timeout_s=30) == (version,
-                                                                                     version)
+            hub.publish(version, step=version)
+            copied = live.receive(live_model, version - 1, Offer(version, version), wait=True)
+            assert copied == (version, version)
         assert_same_weights(get_weights(live_model), get_weights(tiny_model))
         deadline = time.time() + 10
         while not hub.lost and time.time() < deadline:
             time.sleep(0.05)
         assert [name for name, _ in hub.take_lost()] == ["doomed"]
         late_model = type(tiny_model)(tiny_model.config).eval()
-        late = BroadcastReceiver(hub.handles(), late_model, "late", join_timeout_s=30)
-        assert late.copy_newest(-1, wait_for=3, timeout_s=30) == (3, 3)
+        late = BroadcastReceiver.attach(hub.handles(), late_model, receiver_place("late"))
+        assert late.receive(late_model, -1, Offer(3, 3), wait=True) == (3, 3)
         assert_same_weights(get_weights(late_model), get_weights(tiny_model))
     finally:
         if process.is_alive():
             process.kill()
-        hub.close()
-        buckets.close()
+        close(hub)
 
 
 def test_a_searcher_that_cannot_join_says_why(tiny_model):
-    buckets = WeightBuckets(tiny_model)
-    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    hub = broadcast_sender(tiny_model)
     try:
         handles = hub.handles() | {"port": 1}  # nobody serves there
-        receiver = BroadcastReceiver(handles, type(tiny_model)(tiny_model.config), "lost",
-                                     join_timeout_s=1)  # fmt: skip
+        model = type(tiny_model)(tiny_model.config)
+        receiver = BroadcastReceiver.attach(handles, model, receiver_place("lost", timeout_s=1))
         with pytest.raises(RuntimeError, match="the trainer's broadcast group"):
-            receiver.copy_newest(-1, wait_for=1, timeout_s=30)
+            receiver.receive(model, -1, Offer(1, 1), wait=True)
         other = type(tiny_model)(tiny_model.config.__class__(
             **(tiny_model.config.to_dict() | {"num_hidden_layers": 1})))  # fmt: skip
         with pytest.raises(CannotAttach, match="laid out unlike"):
-            BroadcastReceiver(hub.handles(), other, "other", join_timeout_s=1)
+            BroadcastReceiver.attach(hub.handles(), other, receiver_place("other", timeout_s=1))
     finally:
-        hub.close()
-        buckets.close()
+        join_receiver_threads()
+        close(hub)
 
 
 def test_a_searcher_whose_broadcast_group_fails_falls_back_to_the_object_store(
@@ -388,35 +438,29 @@ def test_a_searcher_whose_broadcast_group_fails_falls_back_to_the_object_store(
 
     tiny_model.save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
-    buckets = WeightBuckets(tiny_model)
-    hub = BroadcastHub(buckets, "127.0.0.1", join_timeout_s=30)
+    hub = broadcast_sender(tiny_model)
     try:
-        buckets.publish(1, step=0)
-        unreachable = buckets.handles() | {"broadcast": hub.handles() | {"port": 1},
-                                           "only": "broadcast"}  # fmt: skip
+        hub.publish(1, step=0)
+        unreachable = hub.handles() | {"port": 1}
+        offer = Offer(1, 0, candidates=(Candidate("broadcast", BroadcastReceiver, unreachable),))
         for exact in (False, True):
             worker = SearcherActor(
                 str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one],
                 SearchSettings.from_config(load_config(None, ["policy.max_new_tokens=2"])),
                 searcher_id=0, seed=0, device="cpu", num_threads=1, weights_timeout_s=5,
             )  # fmt: skip
-            worker.offer_weights(1, 0, [None], unreachable)
+            worker.offer(offer)
             if exact:
                 with pytest.raises(RunError, match="broadcast group.*object_store"):
-                    worker._adopt_offered_weights(exact=True)
+                    worker._take_offered_weights(exact=True)
             else:
-                worker._adopt_offered_weights()
+                worker._take_offered_weights()
                 assert worker.searcher.version == 0  # its weights, until a copy comes
-            assert worker.weight_transfer == "object_store"
-            assert "the trainer's broadcast group" in worker.weight_transfer_why
+            assert worker.receiving.using == "object_store"
+            assert "the trainer's broadcast group" in worker.receiving.why
     finally:
-        # A receiver that gave up may still sit in TCPStore's own connect timeout: a daemon
-        # thread inside C++ code when the interpreter exits aborts it (exit 134).
-        for thread in threading.enumerate():
-            if thread.name.startswith(RECEIVER_THREAD):
-                thread.join(timeout=30)
-        hub.close()
-        buckets.close()
+        join_receiver_threads()
+        close(hub)
 
 
 # ------------------------------------------------------------------------------- with Ray
@@ -462,13 +506,14 @@ def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoi
                      stream_seed=seed0)  # fmt: skip
     with ray_session(config):
         searchers = RaySearchers(config, policy_dir, task, lambda kind, **f: events.append(
-            (kind, f)))  # fmt: skip
+            (kind, f)), trainer)  # fmt: skip
         searchers.launch()
         try:
             for publish in range(1, 4):
                 perturb(trainer.model, seed=publish)
-                searchers.publish_from(trainer)
-                assert (searchers._weights[2] is None) is shared  # the object store or not
+                searchers.publish(trainer)
+                # A copy in the object store only where searchers take it.
+                assert (searchers.transfer.payloads.get("object_store") is None) is shared
                 samples, _ = searchers.generate(2)  # one prompt each
                 expected = get_weights(trainer.model)
                 for slot in searchers.slots:
@@ -481,19 +526,20 @@ def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoi
                 theirs = [s for s in samples if s.searcher_id == 0]
                 assert [s.response_ids for s in theirs] == [s.response_ids for s in mine]
                 assert [s.behaviour_logp for s in theirs] == [s.behaviour_logp for s in mine]
-            assert [s.transfer for s in searchers.slots] == [path if shared else None] * 2
+            paths = searchers.transfer.paths
+            assert [paths[i].using for i in range(2)] == [path] * 2
             assert [f["path"] for kind, f in events if kind == "weight_transfer"] == [path]
             # Kill searcher 1: the next generation replaces it, and it maps the buckets (or joins
             # the broadcast) again.
             ray.kill(searchers.slots[1].handle)
             perturb(trainer.model, seed=9)
-            searchers.publish_from(trainer)
+            searchers.publish(trainer)
             searchers.generate(2)
             assert searchers.restarts == 1 and searchers.slots[1].incarnation == 1
             version, weights = ray.get(searchers.slots[1].handle.weights.remote())
             assert version == trainer.version
             assert_same_weights(weights, get_weights(trainer.model))
-            assert searchers.slots[1].transfer == (path if shared else None)
+            assert searchers.transfer.paths[1].using == path
         finally:
             searchers.close()
 

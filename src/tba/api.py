@@ -144,7 +144,8 @@ class TBATrainer:
       adapters (its base weights are the reference policy).
     - `reward_funcs`: one or a list of reward functions (plain or `async def`), called with TRL's
       keywords (`prompts`, `completions`, `completion_ids`, `trainer_state`, the dataset's other
-      columns; see `tba.rewards.scorer`), or reward models by Hub id or directory.
+      columns; see `tba.rewards.scorer`), or reward models by Hub id or directory (found when
+      the trainer is made: a name that is neither is a `ConfigError` at once, naming it).
     - `args`: a `TBAConfig` (tba's settings or TRL's `GRPOConfig` arguments).
     - `train_dataset` / `eval_dataset`: a `datasets.Dataset`, a pandas DataFrame or a list of
       rows with a `prompt` column, text or a conversation (`[{"role": "system" | "user" |

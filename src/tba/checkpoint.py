@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tba.config import QuantizationConfig
+from tba.config.loading import quoted
 from tba.errors import CheckpointError, writing
 from tba.keys import get_key
 from tba.objectives import OBJECTIVES
@@ -211,7 +212,7 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
                                                  _identity(current, name))
                if key not in FREE_KEYS]  # fmt: skip
     if changed:
-        shown = ", ".join(f"{key}={old!r:.60} (this run: {new!r:.60})"
+        shown = ", ".join(f"{key}={quoted(old, 60)} (this run: {quoted(new, 60)})"
                           for key, old, new in changed[:3])  # fmt: skip
         more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
         raise CheckpointError(
@@ -230,13 +231,19 @@ OPTIMIZER_KEYS = {"train.optimizer": "adamw", "train.master_weights": "fp32"}
 
 def check_optimizer_state(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """Raise CheckpointError, naming the settings and their values then and now, when the
-    checkpoint's optimizer state has another form than this run's."""
+    checkpoint's optimizer state has another form than this run's. `train.master_weights` has
+    no effect on an fp32 policy (no weight has a master copy or a compensation): there it may
+    change."""
     old, new = ({key: get_key(config, key) or default for key, default in OPTIMIZER_KEYS.items()}
                 for config in (saved, current))  # fmt: skip
+    if all((get_key(config, "policy.dtype") or "float32") == "float32"
+           for config in (saved, current)):  # fmt: skip
+        old.pop("train.master_weights")
+        new.pop("train.master_weights")
     if [value.removeprefix("paged_") for value in old.values()] == [
             value.removeprefix("paged_") for value in new.values()]:  # fmt: skip
         return
-    shown = ", ".join(f"{key}={old[key]!r} (this run: {new[key]!r})" for key in OPTIMIZER_KEYS
+    shown = ", ".join(f"{key}={old[key]!r} (this run: {new[key]!r})" for key in old
                       if old[key] != new[key])  # fmt: skip
     raise CheckpointError(f"checkpoint {path} was written with {shown}: its optimizer state "
                           "does not load into this run's; set it back, or start a new run")

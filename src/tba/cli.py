@@ -7,6 +7,9 @@
                                                 (RUN_DIR/eval_final.json)
     tba eval --snapshots RUN_DIR [key=value ...]  score its base policy and every snapshot
                                                 (RUN_DIR/eval_snapshots.json)
+    tba eval ... --trust-code, tba train --resume ... --trust-code
+                                                import the code the run's config names though
+                                                the run did not record it (`tba.trust`)
     tba plot RUN_DIR [RUN_DIR ...] [--out FILE] [--metric NAME] [--x minutes|steps|samples]
                                                 held-out curves of several runs on one figure
     tba pretrain [CONFIG.yaml] [key=value ...]  build the built-in base policy (cached; with
@@ -18,41 +21,58 @@
                                                 (docs/trl.md)
 
 `tba eval` overrides apply on top of the run's config.yaml (`task.num_eval=1024`,
-`eval.batch_size=64`, ...): see `tba.offline_eval`.
+`eval.batch_size=64`, ...): see `tba.offline_eval`. The code a run directory's config.yaml names
+(`task.reward_funcs`, `task.eval_func`) is imported by `tba eval` and `tba train --resume` only as
+this user's `tba train` recorded it there, or with `--trust-code` (`tba.trust`); a replacement
+of the run that a kill cut short is settled before the run is read.
 
 Bad input (unknown key, wrong type, out-of-range value, a device this machine lacks, missing or
 malformed file, a checkpoint that does not fit, a run directory without a run, snapshots or the
-metric asked for, an output directory that cannot be written or that another run is using)
-prints one line naming the problem and exits with status 2; a run that cannot go on (a searcher
-that cannot be kept running, a reward function failing call after call or on a whole held-out
-evaluation, non-finite losses step after step, a write that fails), status 1; Ctrl-C (SIGTERM)
-during training stops after the current step, saves the run (checkpoint included) and exits with
-status 130 (143); anywhere else in a run (its start, the evaluations, the saves), or a second
-time, it stops the run at once with one line saying what is kept and how to go on, and the same
-status.
+metric asked for, an output directory that cannot be written or that another run is using, code
+a run directory names that the run did not record, a Ray address in no form Ray joins) prints
+one line naming the problem and exits with status 2; a run that cannot go on (a searcher that
+cannot be kept running, a reward function failing call after call or on a whole held-out
+evaluation, non-finite losses step after step, a write that fails, a Ray cluster where nothing
+answers), status 1; Ctrl-C (SIGTERM) during training stops after the current step, saves the run
+(checkpoint included) and exits with status 130 (143; SIGHUP, a closed terminal: 129); anywhere
+else in a run (its start, the evaluations, the saves), or a second time, it stops the run at once
+with one line saying what is kept and how to go on, and the same status.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
-from tba.config import ConfigError, dump_config, load_config, reference_page
+from tba.config import ConfigError, RunConfig, dump_config, load_config, reference_page
+from tba.console import plain_console
 from tba.errors import CheckpointError, Interrupted, RunError
 from tba.quiet import quiet_libraries
-from tba.run_dir import check_writable, run_config, write_whole
+from tba.run_dir import (
+    RunBusyError,
+    check_writable,
+    run_config,
+    settle_interrupted_replacement,
+    write_whole,
+)
 from tba.trl_args import reference_page as trl_reference_page
 
 # The commands' own modules (training, scoring, plotting: transformers, peft, datasets,
 # matplotlib, ~6 s to import) are imported by the command that needs them, so that `tba config`
 # and a bad value answer in the time torch takes to import.
+
+
+TRUST_CODE = ("(tba eval, tba train --resume) import the code the run directory's config.yaml "
+              "names (task.reward_funcs, task.eval_func) though your own `tba train` did not "
+              "record it there")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--overwrite", action="store_true", help="replace a run already in output_dir"
             )
+            command.add_argument("--trust-code", action="store_true", help=TRUST_CODE)
     text = "score a run's final policy (or its snapshots) on the held-out set"
     command = commands.add_parser("eval", help=text, description=text)
     command.add_argument("run_dir", type=Path, metavar="RUN_DIR")
@@ -95,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         help="score the base policy and every snapshot the run saved, each a point with its "
         "step and minutes",
     )  # fmt: skip
+    command.add_argument("--trust-code", action="store_true", help=TRUST_CODE)
     text = "plot the held-out curves of several runs on one figure"
     command = commands.add_parser("plot", help=text, description=text)
     command.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
@@ -113,11 +135,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
     """The first argument is a config file when it names a YAML file or an existing path, or is
-    not a `key=value` setting (a file without an extension, which may be missing)."""
+    not a `key=value` setting (a file without an extension, which may be missing); a setting's
+    key without its value (`train.max_steps`) is neither."""
     if args and (args[0].endswith((".yaml", ".yml")) or Path(args[0]).exists()
                  or "=" not in args[0]):  # fmt: skip
+        if not Path(args[0]).exists() and _names_a_setting(args[0]):
+            raise ConfigError(f"{args[0]} is a setting without a value: a setting is key=value "
+                              f"(e.g. {args[0]}=VALUE)")  # fmt: skip
         return args[0], args[1:]
     return None, args
+
+
+def _names_a_setting(arg: str) -> bool:
+    """Whether `arg` reads as a setting's key (`seed`, `train.max_steps`), not a file's name."""
+    return not arg.endswith((".yaml", ".yml")) and arg.split(".")[0] in RunConfig.model_fields
 
 
 def _resume_config(run_dir: Path, path: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
@@ -145,19 +176,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     options = _parse(argv)
+    console = plain_console()
     try:
         if options.command == "eval":
-            return _eval(options.run_dir, options.overrides, options.snapshots)
+            return _eval(options.run_dir, options.overrides, options.snapshots,
+                         options.trust_code)  # fmt: skip
         if options.command == "plot":
             from tba.plots import plot_run_dirs
 
             check_writable(options.out, "the plot", "choose another --out, or fix its permissions")
+            for run_dir in options.run_dirs:
+                _settle(run_dir, console.log)
             drawn = plot_run_dirs(options.run_dirs, options.out, options.metric or (), options.x)
             print(f"{options.out} ({', '.join(drawn)} against {options.x})")
             return 0
         path, overrides = _split_args(options.args)
         resume = getattr(options, "resume", None)
         if resume is not None:
+            # Before its config.yaml is read: a replacement a kill cut short leaves the killed
+            # start's there, and the run itself in .replaced/.
+            settle_interrupted_replacement(resume, console.log)
             path, overrides = _resume_config(resume, path, overrides)
         config = load_config(path, overrides)
         if options.command == "config":
@@ -167,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(reference_page() if options.reference else dump_config(config), end="")
             return 0
         quiet_libraries()
-        console = Console(stderr=True)
+        if resume is not None:
+            _check_resumed_code(resume, config, options.trust_code, console.log)
         if options.command == "pretrain":
             from tba.tasks import resolve_policy
 
@@ -204,10 +243,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
+def _settle(run_dir: Path, log: Callable[[str], None]) -> None:
+    """Before a run is read (`tba eval`, `tba plot`): a replacement of it that a kill cut short
+    is settled (`settle_interrupted_replacement`); a live run is read as it is now."""
+    with contextlib.suppress(RunBusyError):
+        settle_interrupted_replacement(run_dir, log)
+
+
+def _check_resumed_code(
+    run_dir: Path, config: RunConfig, trusted: bool, log: Callable[[str], None]
+) -> None:  # fmt: skip
+    """The code the resumed run's config.yaml names runs only as the run recorded it, or with
+    --trust-code (`tba.tasks.custom.check_run_code`)."""
+    from tba.tasks.custom import check_run_code
+
+    check_run_code(config.task, run_config(run_dir).task, run_dir, trusted=trusted, log=log)
+
+
+def _eval(run_dir: Path, overrides: list[str], snapshots: bool, trust_code: bool) -> int:
     """Score, print a table to stdout, write the result as JSON into the run directory."""
     quiet_libraries()
-    console = Console(stderr=True)
+    console = plain_console()
+    _settle(run_dir, console.log)  # before anything of the run is read
     threads = run_config(run_dir, overrides).policy.num_threads  # no run there: one line, now
     if threads:
         torch.set_num_threads(threads)
@@ -218,13 +275,15 @@ def _eval(run_dir: Path, overrides: list[str], snapshots: bool) -> int:
     check_writable(run_dir / name, "the scores", "tba eval writes them into the run directory: "
                    "make it writable, or copy the run somewhere you can write")  # fmt: skip
     if snapshots:
-        points = offline_eval.score_snapshots(run_dir, overrides, log=console.log)
+        points = offline_eval.score_snapshots(run_dir, overrides, log=console.log,
+                                              trust_code=trust_code)  # fmt: skip
         result = {"overrides": overrides, "points": points}
     else:
-        points = [offline_eval.score_final(run_dir, overrides, log=console.log)]
+        points = [offline_eval.score_final(run_dir, overrides, log=console.log,
+                                           trust_code=trust_code)]  # fmt: skip
         result = {"overrides": overrides, **points[0]}
     title = f"{run_dir}: {'base policy and snapshots' if snapshots else 'final policy'}"
-    Console().print(_scores_table(points, title))
+    plain_console(stderr=False).print(_scores_table(points, title))
     try:
         write_whole(run_dir / name, json.dumps(result, indent=2) + "\n")
     except OSError as error:

@@ -1,16 +1,20 @@
-"""Ctrl-C and SIGTERM over a whole run, from its start to its end, and what a run that stopped
-says: what it keeps and how to go on.
+"""Ctrl-C, SIGTERM and SIGHUP over a whole run, from its start to its end, and what a run that
+stopped says: what it keeps and how to go on.
 
 In the training loop a first signal asks the loop to stop after its step (then the run is
 checkpointed, evaluated and saved); anywhere else (the start, the evaluations, the saves), or a
 second time, the run stops at once, closing its searchers and Ray on the way out, and says in one
 line what is kept and what `--resume` does (`tba.loop.train` raises it as `Interrupted`).
+SIGHUP (the terminal or the SSH session closed) is SIGTERM's twin, except that what the run
+prints from then on goes nowhere: the terminal it would print to is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,18 +55,20 @@ class StopRequest(threading.Event):
             signal.raise_signal(signum)
 
 
-# Ctrl-C, and what `timeout`, Docker, Kubernetes and SLURM send before they kill a process.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Ctrl-C; what `timeout`, Docker, Kubernetes and SLURM send before they kill a process; what a
+# closed terminal or SSH session sends.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
 def stop_on_interrupt() -> Iterator[StopRequest]:
-    """Ctrl-C and SIGTERM for a whole run, from its start to its end. In the training loop the
-    first one asks the loop to stop after the current step (the run is then checkpointed,
-    evaluated and saved); anywhere else (the start, the evaluations, the saves), or a second
-    time, the run stops at once: a `KeyboardInterrupt` (what Ray's waits raise for one too) that
-    closes the searchers and shuts Ray down on its way out, and that `train` turns into one line
-    (`Interrupted`). A signal during that way out ends the process there."""
+    """Ctrl-C, SIGTERM and SIGHUP for a whole run, from its start to its end (a SIGHUP ignored,
+    as `nohup` starts a process, stays ignored). In the training loop the first one asks the
+    loop to stop after the current step (the run is then checkpointed, evaluated and saved);
+    anywhere else (the start, the evaluations, the saves), or a second time, the run stops at
+    once: a `KeyboardInterrupt` (what Ray's waits raise for one too) that closes the searchers
+    and shuts Ray down on its way out, and that `train` turns into one line (`Interrupted`). A
+    signal during that way out ends the process there."""
     stop = StopRequest()
 
     def handler(signum, frame) -> None:
@@ -70,6 +76,8 @@ def stop_on_interrupt() -> Iterator[StopRequest]:
             os.write(2, f"tba: interrupted again by {signal.Signals(signum).name}: exiting at "
                         "once\n".encode())  # fmt: skip
             os._exit(128 + signum)
+        if signum == signal.SIGHUP:
+            leave_terminal()
         if stop.holding:
             stop.held = signum
             return
@@ -83,12 +91,30 @@ def stop_on_interrupt() -> Iterator[StopRequest]:
     if threading.current_thread() is not threading.main_thread():
         yield stop  # signals only reach the main thread
         return
-    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
+    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS
+                if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN}
     try:
         yield stop
     finally:
         for number, old in previous.items():
             signal.signal(number, old)
+
+
+def leave_terminal() -> None:
+    """After a hangup, what the run prints goes to /dev/null instead of its terminal: writing to
+    a terminal that hung up fails (EIO), and would end the run's save with an error. Output to a
+    file or a pipe is kept. (A hung-up terminal no longer answers `isatty`: any character device
+    but /dev/null is taken for it.)"""
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for descriptor in (1, 2):
+                with contextlib.suppress(OSError):
+                    mode, device = os.fstat(descriptor), os.fstat(null)
+                    if stat.S_ISCHR(mode.st_mode) and mode.st_rdev != device.st_rdev:
+                        os.dup2(null, descriptor)
+        finally:
+            os.close(null)
 
 
 @dataclass(frozen=True)

@@ -26,22 +26,34 @@ def check_unfinished(
     tc, step = config.train, checkpoint.step
     last = step_limit(tc, num_prompts)
     minutes = checkpoint.state["loop"]["elapsed"] / 60
-    if last is not None and step >= last:
-        key = step_limit_key(tc)
-        value = tc.max_steps if key == "train.max_steps" else tc.num_epochs
-        reached = f"{key}={value:g} (step {step})"
+    if last is not None and step >= last and step_limit_key(tc) == "train.max_steps":
+        key, value = "train.max_steps", tc.max_steps
+        reached, further = f"{key}={value} (step {step})", f"{step + value}"
+    elif last is not None and step >= last:
+        key, value = "train.num_epochs", tc.num_epochs
+        done = step * prompts_per_step(tc) / num_prompts
+        reached = f"{key}={value:g} (step {step}, {done:.3g} epochs)"
+        further = f"{_rounded_up(done + value):g}"
     elif tc.max_minutes is not None and minutes >= tc.max_minutes:
         key, value = "train.max_minutes", tc.max_minutes
         reached = f"{key}={value:g} ({minutes:.1f} minutes)"
+        further = f"{_rounded_up(minutes + value):g}"
     else:
         return False
     if not run_ended(run_dir):
         log(f"run {run_dir} reached its limit, {reached}, but its end was not saved: evaluating "
             "and saving it, without training")  # fmt: skip
         return True
+    # A limit counts from the run's start: `value` more than the run has done, as a new limit.
     raise ConfigError(f"run {run_dir} already reached its limit, {reached}: to train it further, "
                       f"resume with a higher {key}, e.g. `tba train --resume {run_dir} "
-                      f"{key}={2 * value:g}`")  # fmt: skip
+                      f"{key}={further}`")  # fmt: skip
+
+
+def _rounded_up(value: float) -> float:
+    """`value` rounded up to 2 decimals: a limit shown short that is still past `value` (its
+    float error, 2.0000000000000004 for 2, rounded away first)."""
+    return math.ceil(round(value * 100, 6)) / 100
 
 
 def step_limit(train: TrainConfig, num_prompts: int) -> int | None:
@@ -51,8 +63,13 @@ def step_limit(train: TrainConfig, num_prompts: int) -> int | None:
     of the `samples_per_prompt` completions of its prompt); else None (the run ends by time)."""
     if train.max_steps is not None or train.num_epochs is None:
         return train.max_steps
-    per_step = train.num_prompts * train.group_size / (train.samples_per_prompt or train.group_size)
-    return max(1, math.ceil(train.num_epochs * num_prompts / per_step))
+    return max(1, math.ceil(train.num_epochs * num_prompts / prompts_per_step(train)))
+
+
+def prompts_per_step(train: TrainConfig) -> float:
+    """Training prompts a step takes: `train.num_prompts` groups, each `group_size` of the
+    `samples_per_prompt` completions of its prompt (a fraction of a prompt when fewer)."""
+    return train.num_prompts * train.group_size / (train.samples_per_prompt or train.group_size)
 
 
 def step_limit_key(train: TrainConfig) -> str | None:

@@ -41,6 +41,7 @@ from tba.checkpoint import (
     save_checkpoint,
 )
 from tba.config import RunConfig, TrainConfig, dump_config
+from tba.console import plain_console
 from tba.core import Task
 from tba.errors import (
     CheckpointError,
@@ -88,11 +89,14 @@ from tba.runtime.feed import FEEDS, make_feed
 from tba.runtime.launch import open_searchers, open_trainer
 from tba.runtime.placement import check_devices
 from tba.runtime.pool import Searchers
+from tba.runtime.ray_cluster import check_cluster
 from tba.runtime.ray_trainer import RankedTrainer
 from tba.tally import Tally
 from tba.tasks import load_task, resolve_policy
+from tba.tasks.custom import named_code
 from tba.tracking import Trackers, open_trackers, require_trackers
 from tba.trainer import Trainer
+from tba.trust import record_code
 
 
 def evaluate(
@@ -126,7 +130,7 @@ def train(
     is this process's alone until it returns (`tba.run_dir.own_run_dir`). Ctrl-C and SIGTERM
     are handled from start to end (`stop_on_interrupt`): one that cannot wait for a step to end
     raises `Interrupted`, which says what is kept and how to go on."""
-    console = console or Console(stderr=True)
+    console = console or plain_console()
     with stop_on_interrupt() as stop:
         try:
             with contextlib.ExitStack() as owner:
@@ -154,8 +158,10 @@ def _train(
     if config.searchers.engine == "vllm":
         require_vllm()
     check_devices(config)
+    check_cluster(config)
     check_quantization(config)
     check_optimizer(config.train.optimizer)
+    own_code = task is None  # the code its config names is the user's, imported below: recorded
     checkpoint = None
     if resume:  # the directory is ours and the checkpoint fits before any task world is built
         run_dir = stop.run_dir = owner.enter_context(own_run_dir(Path(config.output_dir)))
@@ -184,6 +190,8 @@ def _train(
             save_policy(Path(config.policy.model))
         policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
     (run_dir / "config.yaml").write_text(dump_config(config))
+    if own_code:  # what `tba eval` and `--resume` may import again without asking (`tba.trust`)
+        record_code(run_dir, list(named_code(config.task)))
     random_state = RandomState(config.seed)
     tokenizer = load_tokenizer(
         str(policy_dir), chat_template=config.policy.chat_template or task.conversational
@@ -298,7 +306,7 @@ class TrainLoop:
         # This process's memory: the trainer's, and the in-process searcher's when there is one.
         # A sharded trainer's ranks are other processes.
         self.memory = (PeakMemory(next(trainer.model.parameters()).device)
-                       if isinstance(trainer, Trainer) else None)  # fmt: skip
+                       if trainer.trains_here else None)  # fmt: skip
         self.peak_memory_mib = 0.0
         self.last_eval = base
         self.elapsed = 0.0  # training seconds of the earlier processes of this run
@@ -322,9 +330,10 @@ class TrainLoop:
 
     def run(self, console: Console, stop: threading.Event) -> None:
         progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed:.0f}"),
-            TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
-            transient=False,
+            TextColumn("train", style="bold", markup=False), BarColumn(),
+            TextColumn("step {task.completed:.0f}", markup=False), TimeElapsedColumn(),
+            # Metric names come from the task (a custom task names its own): text, not markup.
+            TextColumn("{task.fields[status]}", markup=False), console=console, transient=False,
         )  # fmt: skip
         first_step = self.trainer.step_count + 1
         with MetricsLog(self.run_dir / "metrics.jsonl", self.trackers) as metrics, progress:

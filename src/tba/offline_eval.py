@@ -14,11 +14,17 @@ base policy stays the run's own whatever `seed` says. Each result is a point: `m
 e.g. greedy pass@1) and all its `metrics`. A run made in Python (`TBATrainer`) has its task only
 there: pass it as `task=trainer.task`.
 
+The code a custom task's config names (`task.reward_funcs`, `task.eval_func`) is imported only
+as this user's `tba train` recorded it in the run directory, or with `trust_code=True`
+(`tba eval --trust-code`; `tba.trust`). A run directory a killed `tba train --overwrite` left
+half-replaced is first put back as it was (`tba.run_dir.settle_interrupted_replacement`).
+
 `tba eval` writes the results to RUN_DIR/eval_final.json and RUN_DIR/eval_snapshots.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -33,8 +39,18 @@ from tba.evaluation import EvalFaults, EvalSettings, evaluate
 from tba.locks import FileLock, describe_holder
 from tba.policy.model import check_device, load_policy, resolve_device, set_weights
 from tba.policy.tokenizer import load_tokenizer
-from tba.run_dir import LOCK_FILE, final_saved, read_metrics, run_config, samples_consumed
+from tba.run_dir import (
+    LOCK_FILE,
+    REPLACED,
+    RunBusyError,
+    final_saved,
+    read_metrics,
+    run_config,
+    samples_consumed,
+    settle_interrupted_replacement,
+)
 from tba.tasks import load_task, resolve_policy
+from tba.tasks.custom import check_run_code
 
 FINAL_SCORES = "eval_final.json"
 SNAPSHOT_SCORES = "eval_snapshots.json"
@@ -42,16 +58,17 @@ SNAPSHOT_SCORES = "eval_snapshots.json"
 
 def score_final(
     run_dir: Path, overrides: Sequence[str] = (), *, task: Task | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, trust_code: bool = False,
 ) -> dict:  # fmt: skip
     """The held-out metrics of the run's final policy, at the step and minute the run ended."""
+    settle_run(run_dir, log)
     config = run_config(run_dir, overrides)
     final = run_dir / "final"
     records = read_metrics(run_dir / "metrics.jsonl")
     if not final_saved(final):
         raise FileNotFoundError(f"{run_dir}: no final policy (final/ not found: the run has not "
                                 f"ended); {_without_final(run_dir, records)}")  # fmt: skip
-    task = task or run_task(run_dir, config, log)
+    task = task or run_task(run_dir, config, log, trust_code=trust_code)
     model, tokenizer = load_scored_policy(final, config)
     settings = EvalSettings.from_config(config, full=True, step=records[-1]["step"])
     metrics = checked_evaluate(model, tokenizer, task, settings, log)
@@ -61,9 +78,10 @@ def score_final(
 
 def score_snapshots(
     run_dir: Path, overrides: Sequence[str] = (), *, task: Task | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, trust_code: bool = False,
 ) -> list[dict]:  # fmt: skip
     """The held-out metrics of the base policy (minute 0), then of every snapshot of the run."""
+    settle_run(run_dir, log)
     config = run_config(run_dir, overrides)
     records = read_metrics(run_dir / "metrics.jsonl")
     snapshots = [(record, samples) for record, samples in zip(records, samples_consumed(records))
@@ -71,7 +89,7 @@ def score_snapshots(
     if not snapshots:
         raise FileNotFoundError(f"{run_dir}: no snapshots (a run saves them every "
                                 "eval.snapshot_minutes=N minutes)")  # fmt: skip
-    task = task or run_task(run_dir, config, log)
+    task = task or run_task(run_dir, config, log, trust_code=trust_code)
     seed = run_config(run_dir).seed  # the policy the run started from, whatever seed evaluates
     base = resolve_policy(config.policy.model, config.pretrain, seed, log)
     model, tokenizer = load_scored_policy(base, config)
@@ -83,6 +101,13 @@ def score_snapshots(
                                    log)  # fmt: skip
         curve.append(point(record["time"] / 60, record["step"], samples, task, metrics))
     return curve
+
+
+def settle_run(run_dir: Path, log: Callable[[str], None]) -> None:
+    """The run in `run_dir` as it is, before it is read: a replacement a kill cut short settled
+    (`settle_interrupted_replacement`); a run another process holds is read as it is now."""
+    with contextlib.suppress(RunBusyError):
+        settle_interrupted_replacement(run_dir, log)
 
 
 def checked_evaluate(
@@ -109,8 +134,10 @@ def _without_final(run_dir: Path, records: list[dict]) -> str:
         later = (f", or score the snapshots it has saved with `tba eval --snapshots {run_dir}`"
                  if snapshots else " (a run with eval.snapshot_minutes=N saves snapshots that "
                  "`tba eval --snapshots` scores while it runs)")  # fmt: skip
+        replacing = (f"; the run it replaces is kept in {run_dir / REPLACED} until it has its "
+                     "first checkpoint" if (run_dir / REPLACED).is_dir() else "")  # fmt: skip
         return (f"the run is in progress, held by {describe_holder(holder)}: evaluate it when "
-                f"it ends{later}")  # fmt: skip
+                f"it ends{later}{replacing}")  # fmt: skip
     ways = []
     if list_checkpoints(run_dir):
         ways.append(f"finish it with `tba train --resume {run_dir}`")
@@ -119,14 +146,18 @@ def _without_final(run_dir: Path, records: list[dict]) -> str:
     return " or ".join(ways) or "it stopped before its first checkpoint: start it again"
 
 
-def run_task(run_dir: Path, config: RunConfig, log: Callable[[str], None]) -> Task:
-    """The run's task, built from its config as `tba train` builds it."""
+def run_task(
+    run_dir: Path, config: RunConfig, log: Callable[[str], None], *, trust_code: bool = False
+) -> Task:
+    """The run's task, built from its config as `tba train` builds it; the code that config
+    names imported only as the run recorded it, or with `trust_code` (`check_run_code`)."""
     tc = config.task
     if tc.name == "custom" and tc.train_path is None and tc.dataset is None:
         raise ConfigError(
             f"{run_dir}: its task was given in Python (TBATrainer); score it there, with "
             "trainer.evaluate() or tba.offline_eval.score_snapshots(run_dir, task=trainer.task)"
         )
+    check_run_code(tc, run_config(run_dir).task, run_dir, trusted=trust_code, log=log)
     return load_task(tc, seed=config.seed, policy_model=config.policy.model,
                      cache_dir=config.pretrain.cache_dir, log=log)  # fmt: skip
 

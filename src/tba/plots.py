@@ -6,6 +6,7 @@ never shown: no backend or other global state of the caller's matplotlib changes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,20 +111,43 @@ def plot_runs(
     runs: dict[str, list[dict]], path: Path, metrics: Sequence[str], x: str = "minutes"
 ) -> None:
     """The held-out `metrics` of several runs (label -> metric records), one panel per metric,
-    one line per run, against `x` (minutes, steps or samples)."""
-    fig = Figure(figsize=(7, 1 + 3.2 * len(metrics)), dpi=110)
+    one line per run, against `x` (minutes, steps or samples); saved with the whole legend."""
+    runs_figure(runs, metrics, x).savefig(path, bbox_inches="tight")
+
+
+# Markers, one a round of the colors: runs beyond the palette's colors keep apart.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LEGEND_FONT = 7  # points
+
+
+def runs_figure(runs: dict[str, list[dict]], metrics: Sequence[str], x: str = "minutes") -> Figure:
+    """`plot_runs`'s figure. The legend, one entry per run, stands right of the panels, in as
+    many columns as its entries need to fit the figure's height: a panel's own legend hid its
+    curves, and one of 50 runs ran off the figure (saved with `bbox_inches="tight"`, the figure
+    grows to hold it)."""
+    height = 1 + 3.2 * len(metrics)
+    fig = Figure(figsize=(7, height), dpi=110)
     axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)
+    palette = colors(len(runs))
+    styles = {label: (palette[i % len(palette)], MARKERS[i // len(palette) % len(MARKERS)])
+              for i, label in enumerate(runs)}  # fmt: skip
     for ax, metric in zip(axes[:, 0], metrics):
         for label, records in runs.items():
             xs, values = metric_curve(records, metric, x)
             if values:
-                ax.plot(xs, values, "o-", markersize=3, label=label)
+                color, marker = styles[label]
+                ax.plot(xs, values, "-", marker=marker, markersize=3, color=color, label=label)
         ax.set_ylabel(metric_label(metric))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     axes[-1, 0].set_xlabel(X_AXES[x])
     fig.tight_layout()
-    fig.savefig(path)
+    entries = {label: handle for ax in axes[:, 0]
+               for handle, label in zip(*ax.get_legend_handles_labels())}  # fmt: skip
+    rows = max(1, int(height * 72 / (LEGEND_FONT * 1.9)))  # entries a column holds
+    fig.legend(entries.values(), entries.keys(), loc="upper left", fontsize=LEGEND_FONT,
+               bbox_to_anchor=(1.0, 1.0), bbox_transform=axes[0, 0].transAxes,
+               ncols=max(1, math.ceil(len(entries) / rows)))  # fmt: skip
+    return fig
 
 
 def plot_run_dirs(

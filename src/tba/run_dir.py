@@ -26,6 +26,8 @@
 <run_dir>/eval_final.json  written by `tba eval`: the final policy scored after the run
 <run_dir>/eval_snapshots.json  written by `tba eval --snapshots`: the base policy and every
                            snapshot scored after the run (see tba.offline_eval)
+<run_dir>/code.json        the code files the run imported (task.reward_funcs, task.eval_func),
+                           with their sha256, signed with this user's key (`tba.trust`)
 <run_dir>/.lock            while a process runs in the directory: its pid, host, start time and
                            command (`own_run_dir`)
 <run_dir>/.replaced/       while a run replaces the one in the directory (`--overwrite`,
@@ -53,13 +55,14 @@ from tba.config import RunConfig, load_config
 from tba.errors import ConfigError, RunError
 from tba.locks import FileLock, Locked, describe_holder
 from tba.tracking import Trackers
+from tba.trust import CODE_RECORD
 
 # What a run writes into its directory: what `--overwrite`, or a new start after a run that never
 # checkpointed, removes (and nothing else that may be in the directory).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "eval.json", "curves.png",
              "attacks.jsonl", "completions.jsonl", "eval_final.json", "eval_snapshots.json",
              "checkpoints", "searchers", "snapshots", "final", "tensorboard", "wandb",
-             "base_model")  # fmt: skip
+             "base_model", CODE_RECORD)  # fmt: skip
 # Where a run being replaced waits while the run replacing it starts (`set_aside`): put back if
 # that one stops before its first checkpoint, deleted once it has one. `.replacing` holds what
 # belongs back in the run directory (a move aside or back that a kill cut short), `.replaced-old`
@@ -196,6 +199,26 @@ def settle_replacement(path: Path, log: Callable[[str], None]) -> None:
         replacement.__exit__(None, None, None)
 
 
+def settle_interrupted_replacement(path: Path, log: Callable[[str], None]) -> None:
+    """Before a command reads the run in `path` (`tba train --resume`, `tba eval`, `tba plot`):
+    what a `tba train --overwrite` killed while replacing it left is settled
+    (`settle_replacement`) under the directory's lock, so that what is read is the run the
+    directory holds, never the killed start's files. A directory another process runs in is
+    `RunBusyError` (that process settled it as it started); one that cannot be written, one line
+    naming where the run set aside is (`ConfigError`)."""
+    if not any((path / name).exists() for name in (REPLACED, MOVING, DELETING)):
+        return
+    try:
+        with own_run_dir(path):
+            settle_replacement(path, log)
+    except (ConfigError, OSError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "it cannot be written"
+        raise ConfigError(f"{path}: a `tba train` that was replacing its run was killed, and "
+                          f"the run it replaced is set aside in {path / REPLACED} (or "
+                          f"{path / MOVING}); it cannot be put back ({reason}): make {path} "
+                          "writable and run this again, or read that run where it is") from None
+
+
 def _move_back(path: Path) -> None:
     moving = path / MOVING
     for entry in moving.iterdir():
@@ -262,6 +285,8 @@ def create_run_dir(
 def unusable_output_dir(path: Path, error: OSError) -> ConfigError:
     """Why `path` cannot be a run directory, and what to do, in one line."""
     advice = "choose another output_dir"
+    if error.errno == errno.ENAMETOOLONG:  # before anything else asks the system about `path`
+        return _name_too_long(path)
     if path.exists() and not path.is_dir():
         return ConfigError(f"output_dir {path} is a file, not a directory: {advice}, or move "
                            "the file away")  # fmt: skip
@@ -277,6 +302,19 @@ def unusable_output_dir(path: Path, error: OSError) -> ConfigError:
         return ConfigError(f"output_dir {path} cannot be created or written ({reason}: {where}): "
                            f"{advice} where you can write, or fix its permissions")  # fmt: skip
     return ConfigError(f"output_dir {path} cannot be used ({reason}): {advice}")
+
+
+def _name_too_long(path: Path) -> ConfigError:
+    """A path with a name longer than its file system allows (255 bytes on most), or longer
+    than a path may be."""
+    longest = max(path.parts, key=lambda part: len(os.fsencode(part)))
+    size = len(os.fsencode(longest))
+    if size > 255:
+        return ConfigError(f"output_dir {path} cannot be used: its name {longest[:24]}... is "
+                           f"{size} bytes long, and a file system allows 255: choose a shorter "
+                           "output_dir")  # fmt: skip
+    return ConfigError(f"output_dir {path} cannot be used: the path is longer than this system "
+                       "allows (File name too long): choose a shorter output_dir")
 
 
 def remove_run(path: Path) -> None:

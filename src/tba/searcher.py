@@ -179,21 +179,15 @@ class Searcher:
                 score=self._rollout_rewards,
             )  # fmt: skip
 
-    def set_weights(
-        self, weights: dict[str, np.ndarray] | None, version: int, step: int
-    ) -> None:
-        """Adopt the weights of `version`, published at optimizer step `step`: a copy into the
-        searcher's own model, or (`weights` None) the trainer's module as it is now."""
-        if weights is not None:
-            set_weights(self.policy, weights)
-        elif not self.shares_trainer_model:
-            raise ValueError("a searcher with its own model needs the published weights")
-        self.engine.load_weights(self.policy)
-        self.version, self.step = version, step
+    def set_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
+        """Copy `weights` (`get_weights`' arrays) into the searcher's own model, then `adopt`
+        them as `version`."""
+        set_weights(self.policy, weights)
+        self.adopt(version, step)
 
-    def weights_copied(self, version: int, step: int) -> None:
-        """The searcher's own model now holds the weights of `version`, published at optimizer
-        step `step`, copied into it in place (`tba.runtime.weight_buckets`): adopt them."""
+    def adopt(self, version: int, step: int) -> None:
+        """The model now holds the weights of `version`, published at optimizer step `step`
+        (copied into it, or the trainer's own module as it is now): generate with them."""
         self.engine.load_weights(self.policy)
         self.version, self.step = version, step
 

@@ -15,6 +15,16 @@ context samples join their groups. `baseline_kl` picks the log-probs in the base
 KL-shaped reward: the `current` policy's (then RLOO's gradient is TB's) or the `behaviour`
 policy's, fixed when the sample was drawn (as in TRL's RLOO).
 
+Micro-batches are runs of whole groups, at most `train.micro_batch_groups` and at most
+`train.micro_batch_tokens` tokens. Under a token budget their rows run packed end to end where
+that runs fewer positions than padding and the policy keeps packed rows apart
+(`tba.policy.logprobs`): that changes how the forward pass is computed, not the padded (N, T)
+tensors the losses see. Each step reports the share of the positions its forward passes ran
+that were padding (`padded_frac`). `train.gradient_checkpointing=auto` is decided at the first
+step from an estimate of the step's activations and the device's free memory
+(`tba.policy.activation_memory`), again while it is off; `checkpointing_note` says the decision
+in one line, for the run's log.
+
 A group can be part of what its generation made (S > K): with `train.group_baseline=generation`
 the others (`Batch.context`) join it in the loss with detached log-probs, so that its log Z or
 baseline comes from all S while only the K are trained; the reported `loss` then includes their
@@ -41,18 +51,29 @@ import bisect
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from tba.config import RunConfig, TrainConfig
 from tba.core import Sample
 from tba.objectives import OBJECTIVES, LossInputs
 from tba.objectives.schedules import LRSchedule, warmup_steps_for
-from tba.policy.logprobs import token_logprobs_and_states
-from tba.policy.model import checkpoint_state, get_weights, load_checkpoint_state
+from tba.policy.activation_memory import ModelShape, checkpointing_choice, rows_for
+from tba.policy.batching import packed_positions, padded_positions, real_positions
+from tba.policy.logprobs import packs_rows, shares_prompts, token_logprobs_and_states
+from tba.policy.model import (
+    checkpoint_state,
+    enable_checkpointing,
+    get_weights,
+    is_checkpointing,
+    load_checkpoint_state,
+    unwrapped,
+)
 from tba.policy.optimizers import build_optimizer, flat_param_state, load_optimizer_state
 from tba.policy.precision import trainable_weights
 from tba.policy.values import Critic
@@ -126,6 +147,10 @@ class WeightVersions:
     """The trainer's clock: optimizer steps taken, and the weight versions published (each
     tagged with the step it was published at), to tell how far behind a sample is."""
 
+    # Whether `model` is the module being trained, in this process (not a copy gathered from
+    # ranks elsewhere): what can be shared with searchers without a copy.
+    trains_here = True
+
     def __init__(self) -> None:
         self.version = 0  # weight version: bumped at every publish
         self.publish_steps = [0]  # [v]: optimizer steps taken when version v was published
@@ -142,16 +167,12 @@ class WeightVersions:
         one when none is (its samples are all the searchers have)."""
         return min(bisect.bisect_left(self.publish_steps, self.step_count - steps), self.version)
 
-    def _publish(self) -> int:
-        """A new version of the weights as they are now."""
+    def publish(self) -> tuple[int, int]:
+        """The weights as they are now as the next version: (version, optimizer steps taken).
+        Whoever hands them to the searchers reads them now (`weights`, or the module itself)."""
         self.version += 1
         self.publish_steps.append(self.step_count)
-        return self.version
-
-    def publish(self) -> tuple[int, int]:
-        """The weights as they are now as the next version, without a copy of them (for a
-        searcher that samples with the trainer's own module): (version, optimizer steps taken)."""
-        return self._publish(), self.step_count
+        return self.version, self.step_count
 
     def versions_state(self) -> dict[str, Any]:
         return {"version": self.version, "publish_steps": self.publish_steps,
@@ -166,9 +187,16 @@ class WeightVersions:
 
 class Trainer(WeightVersions):
     """The policy being trained, its optimizer and its weight versions: `step` on a batch,
-    `next_version` of the weights for the searchers, and `state_dict` for checkpoints."""
+    `publish` a new version of its weights (read with `weights`, or as the module itself), and
+    `state_dict` for checkpoints."""
 
     log_z_class = LearnedLogZ  # one per rank when sharded (`tba.runtime.fsdp`)
+
+    # The last decision about gradient checkpointing, as one line for the run's log: set at the
+    # first step, and again when a later step turns checkpointing on (`_settle_checkpointing`).
+    checkpointing_note: str | None = None
+    _packing: bool | None = None  # whether the policy keeps packed rows apart (asked once)
+    _positions: ForwardPositions | None = None  # the step's forward passes, counted
 
     def __init__(
         self,
@@ -227,22 +255,19 @@ class Trainer(WeightVersions):
         super().__init__()
 
     def weights(self) -> dict[str, np.ndarray]:
+        """The weights as they are now, as numpy arrays (a copy, for another process)."""
         return get_weights(self.model)
-
-    def next_version(self) -> tuple[dict[str, np.ndarray], int, int]:
-        """The current weights as the next version, for the searchers: (weights, version, the
-        optimizer steps taken so far)."""
-        version = self._publish()
-        return self.weights(), version, self.step_count
 
     def step(
         self, groups: list[list[Sample]], beta: float, context: list[list[Sample]] | None = None
     ) -> dict[str, float]:
         """One optimizer step on the batch's groups; `context[i]`, if given, are samples that
-        enter group i's log Z or baseline without being trained on (`Batch.context`)."""
-        chunk = self.micro_batch_groups or len(groups)
-        micro_batches = micro_batch_split(groups, chunk)
-        contexts = micro_batch_split(context, chunk) if context else None
+        enter group i's log Z or baseline without being trained on (`Batch.context`). The
+        micro-batches are runs of whole groups, at most `train.micro_batch_groups` of them and
+        at most `train.micro_batch_tokens` tokens (`micro_batch_runs`)."""
+        runs = micro_batch_runs(groups, self.micro_batch_groups, self.settings.micro_batch_tokens)
+        micro_batches = [_flat(groups[run]) for run in runs]
+        contexts = [_flat(context[run]) for run in runs] if context else None
         return self._step(micro_batches, beta, total=sum(len(g) for g in groups),
                           contexts=contexts)  # fmt: skip
 
@@ -255,9 +280,11 @@ class Trainer(WeightVersions):
         in step across ranks (`tba.runtime.fsdp`): they count for nothing. `contexts[i]`: the
         samples that only enter the group statistics of micro-batch i."""
         start = time.time()
+        self._settle_checkpointing(micro_batches[: len(micro_batches) - padding])
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self._before_micro_batches()
+        self._positions = ForwardPositions()
         sums: dict[str, float] = {"tokens": 0.0}
         for index, flat in enumerate(micro_batches):
             counted = index < len(micro_batches) - padding
@@ -272,6 +299,7 @@ class Trainer(WeightVersions):
             for key, value in {"loss": loss.item(), **stats}.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * len(flat)
             sums["tokens"] += sum(len(s.prompt_ids) + len(s.response_ids) for s in flat)
+        sums |= {"positions_run": self._positions.run, "positions_real": self._positions.real}
         sums = self._sum_over_ranks(sums)
         grad_norm = self._clip_grad_norm()
         critic = {}
@@ -292,6 +320,7 @@ class Trainer(WeightVersions):
             self.skipped_steps += 1
         self.step_count += 1
         tokens = sums.pop("tokens")
+        run, real = sums.pop("positions_run"), sums.pop("positions_real")
         elapsed = time.time() - start
         return {
             **{key: value / total for key, value in sums.items()},
@@ -302,7 +331,70 @@ class Trainer(WeightVersions):
             "skipped": float(not finite),
             "train_seconds": elapsed,
             "train_tokens_per_s": tokens / elapsed,
+            # The share of the positions the policy's forward passes ran that were padding.
+            "padded_frac": 1.0 - real / run if run else 0.0,
+            "checkpointing": float(is_checkpointing(self.model)),
         }
+
+    # -------------------------------------------------- micro-batches: layout and checkpointing
+
+    def _settle_checkpointing(self, micro_batches: list[list[Sample]]) -> None:
+        """Gradient checkpointing as `train.gradient_checkpointing` sets it: `auto` decides from
+        the model's shape, the step's micro-batches (with a token budget, the budget) and the
+        device's free memory (`checkpointing_choice`), at the first step and at each later one
+        while it is off, since a later batch may be longer; once on, it stays on. A policy
+        loaded with it keeps it."""
+        if is_checkpointing(self.model):
+            if self.checkpointing_note is None:
+                self.checkpointing_note = "gradient checkpointing on: the policy was loaded with it"
+            return
+        setting = self.settings.gradient_checkpointing
+        if not micro_batches or (self.checkpointing_note is not None and setting != "auto"):
+            return
+        rows, tokens = self._activation_extent(micro_batches)
+        on, note = checkpointing_choice(setting, next(self.model.parameters()).device,
+                                        ModelShape.of(self.model), rows, tokens,
+                                        ranks=_ranks())  # fmt: skip
+        if on:
+            enable_checkpointing(unwrapped(self.model))
+        if on or self.checkpointing_note is None:
+            self.checkpointing_note = note
+
+    def _activation_extent(self, micro_batches: list[list[Sample]]) -> tuple[int, int]:
+        """(rows, tokens) of the largest forward pass of a micro-batch without checkpointing: a
+        padded one's rows, each as long as its longest prompt plus its longest response; with a
+        token budget, rows as long as the longest row that hold the budget (or the largest
+        micro-batch, where one group alone is over it)."""
+        layouts = [(len(flat), _padded_width(flat)) for flat in micro_batches]
+        rows, tokens = max(layouts, key=lambda layout: layout[0] * layout[1])
+        budget = self.settings.micro_batch_tokens
+        if budget is None:
+            return rows, tokens
+        width = max(len(s.prompt_ids) + len(s.response_ids) for flat in micro_batches
+                    for s in flat)  # fmt: skip
+        largest = max(self._forward_positions(flat) for flat in micro_batches)
+        return rows_for(max(budget, largest), width), width
+
+    def _forward_positions(self, samples: list[Sample]) -> int:
+        """Token positions a forward pass of `samples` runs without checkpointing."""
+        prompts, responses = _rows(samples)
+        if self._packs(prompts, responses):
+            return packed_positions(prompts, responses)
+        return padded_positions(prompts, responses, share_prompts=False)
+
+    def _packs(self, prompts: list[list[int]], responses: list[list[int]]) -> bool:
+        """Whether these rows run packed (`tba.policy.logprobs.packed_token_logprobs_and_states`):
+        under a token budget, with one trainer rank (ranks must run the same passes), where
+        packing runs fewer positions than padding, and if the policy keeps packed rows apart
+        (`packs_rows`: transformers 5 does it for Llama, Qwen2 and GPT-2, among others)."""
+        if self.settings.micro_batch_tokens is None or _ranks() > 1:
+            return False
+        padded = padded_positions(prompts, responses, shares_prompts(self.model))
+        if packed_positions(prompts, responses) >= padded:
+            return False
+        if self._packing is None:
+            self._packing = packs_rows(self.model)
+        return self._packing
 
     # One process holds the whole model: nothing to gather or add up (`tba.runtime.fsdp` does).
     def _before_micro_batches(self) -> None:
@@ -432,16 +524,73 @@ class Trainer(WeightVersions):
     def _token_logprobs(
         self, samples: list[Sample]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return token_logprobs_and_states(
-            self.model, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-            pad_id=self.pad_id, temperature=self.temperature,
-        )  # fmt: skip
+        """The policy's per-token log-probs of `samples` (`token_logprobs_and_states`), their
+        rows packed where `_packs` says so, padded otherwise; the positions run counted."""
+        prompts, responses = _rows(samples)
+        packed = self._packs(prompts, responses)
+        if self._positions is not None:
+            self._positions.add(prompts, responses, packed, shares_prompts(self.model))
+        return token_logprobs_and_states(self.model, prompts, responses, pad_id=self.pad_id,
+                                         temperature=self.temperature, packed=packed)  # fmt: skip
 
 
-def micro_batch_split(groups: list[list[Sample]], chunk: int) -> list[list[Sample]]:
-    """Consecutive runs of `chunk` groups, each flattened into one micro-batch."""
-    return [[s for group in groups[first : first + chunk] for s in group]
-            for first in range(0, len(groups), chunk)]  # fmt: skip
+@dataclass
+class ForwardPositions:
+    """The token positions the policy's forward passes ran in a step, and how many of them held
+    a real token (not padding): `padded_frac` = 1 - real / run."""
+
+    run: int = 0
+    real: int = 0
+
+    def add(self, prompts: list[list[int]], responses: list[list[int]], packed: bool,
+            shared: bool) -> None:  # fmt: skip
+        """One forward pass: packed rows, or padded ones (prompts `shared` or not)."""
+        shared = shared and not packed
+        self.run += (packed_positions(prompts, responses) if packed
+                     else padded_positions(prompts, responses, shared))  # fmt: skip
+        self.real += real_positions(prompts, responses, shared)
+
+
+def micro_batch_runs(groups: list[list[Sample]], chunk: int | None,
+                     token_budget: int | None = None) -> list[slice]:  # fmt: skip
+    """The batch's micro-batches as consecutive runs of whole groups: at most `chunk` groups
+    (None: any number), and at most `token_budget` prompt and response tokens (None: any
+    number); a group over the budget alone is a micro-batch of its own."""
+    runs, first, tokens = [], 0, 0
+    for index, group in enumerate(groups):
+        size = sum(len(s.prompt_ids) + len(s.response_ids) for s in group)
+        full = chunk is not None and index - first == chunk
+        over = token_budget is not None and index > first and tokens + size > token_budget
+        if full or over:
+            runs.append(slice(first, index))
+            first, tokens = index, 0
+        tokens += size
+    return [*runs, slice(first, len(groups))] if groups else []
+
+
+def micro_batch_split(groups: list[list[Sample]], chunk: int | None,
+                      token_budget: int | None = None) -> list[list[Sample]]:  # fmt: skip
+    """The micro-batches of `micro_batch_runs`, each flattened into one list of samples."""
+    return [_flat(groups[run]) for run in micro_batch_runs(groups, chunk, token_budget)]
+
+
+def _flat(groups: list[list[Sample]]) -> list[Sample]:
+    return [s for group in groups for s in group]
+
+
+def _rows(samples: list[Sample]) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts and the responses of `samples`."""
+    return [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+
+
+def _padded_width(samples: list[Sample]) -> int:
+    """The length of a padded row of `samples`: the longest prompt and the longest response."""
+    return max(len(s.prompt_ids) for s in samples) + max(len(s.response_ids) for s in samples)
+
+
+def _ranks() -> int:
+    """Trainer ranks stepping together (`tba.runtime.fsdp`): 1 unless a process group is up."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def store_old_values(samples: list[Sample], values: torch.Tensor) -> None:

@@ -1,8 +1,10 @@
 """Renamed settings: `ALIASES`, the one table of old names and new, which docs/configuration.md
 lists. An old name keeps working, with a one-line notice on stderr (once per name and process):
 in YAML files and `key=value` overrides (`TrainConfig` moves it to its new place as it is
-validated; an override of either name replaces the other, the last one given wins), and as an
-attribute of a `TrainConfig`.
+validated), and as an attribute of a `TrainConfig`. An override of either name replaces the
+value the file gives the other; both names in one file, or in one list of overrides, is an
+error naming them (`rename_old_keys`, `tba.config.loading.apply_overrides`): which one was meant
+is not for tba to guess.
 
 An old name of a setting of another objective than `train.loss`'s (`train.value_coef` in a TB
 run) is dropped, as it always had no effect: config files and run directories written before

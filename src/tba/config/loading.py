@@ -3,6 +3,7 @@ validated into a `RunConfig`; what is wrong is one line (`ConfigError`) naming t
 
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,13 +12,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tba.config.aliases import objective_of, other_name
-from tba.config.base import is_section
+from tba.config.aliases import ALIASES, objective_of, other_name
+from tba.config.base import Section, expand_shorthand, is_section
 from tba.config.presets import TASK_PRESETS
 from tba.config.run import RunConfig
 from tba.config.task import TaskConfig
 from tba.config.train import TrainConfig
-from tba.errors import ConfigError
+from tba.errors import ConfigError, first_line
 from tba.keys import NotASection, get_key, has_key, pop_key, set_key
 
 
@@ -41,14 +42,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """`data` (nested settings) with `a.b=value` strings applied in order (values parsed as
-    YAML). A renamed setting's override replaces the value of its other name (`ALIASES`)."""
+    YAML; a key given twice: the last one). A renamed setting's override replaces the value of
+    its other name in `data` (`ALIASES`); both names in one list of overrides is an error, as
+    both in one file is."""
+    given: set[str] = set()
     for override in overrides:
         key, value = _parse_override(override)
         other = other_name(key)
+        if other in given:
+            old, new = (key, other) if key in ALIASES else (other, key)
+            raise ConfigError(f"{old} and {new} are one setting (renamed): give it once, as {new}")
         if other is not None and has_key(data, other):
             pop_key(data, other)
         _set_nested(data, key, value)
+        given.add(key)
     return data
+
+
+def quoted(value: Any, limit: int = 80) -> str:
+    """`repr(value)` for an error line, `shortened`."""
+    return shortened(repr(value), limit)
+
+
+def shortened(text: str, limit: int = 80) -> str:
+    """`text` for an error line, cut to `limit` characters with the length of the whole when
+    longer: a value of megabytes is not echoed whole."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters)"
 
 
 class _Loader(yaml.SafeLoader):
@@ -81,14 +102,14 @@ def _parse_yaml(text: str) -> Any:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    if not _is_file(path):
+        raise ConfigError(f"config file not found: {shortened(str(path))}")
     try:
-        data = _parse_yaml(path.read_text())
+        data = _parse_yaml(_decoded(path))
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(error, "problem", error)
+        problem = getattr(error, "problem", None) or first_line(error)
         raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
     if data is None:
         return {}
@@ -97,10 +118,53 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _is_file(path: Path) -> bool:
+    """`path.is_file()`, False also for a name the system refuses (too long: a setting of
+    megabytes given where a config file is expected)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+# Byte-order marks and the encodings they announce, the longest first (UTF-32 LE's begins with
+# UTF-16 LE's): what Windows editors save as "Unicode" reads as what it unambiguously is.
+_MARKED_ENCODINGS = (
+    (codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)  # fmt: skip
+
+
+def _decoded(path: Path) -> str:
+    """The text of the config file `path`: UTF-8, or UTF-8, UTF-16 or UTF-32 with a byte-order
+    mark. Anything else (Latin-1, UTF-16 without a mark) is one line naming the file, where it
+    stops being text of its encoding, and what to do."""
+    raw = path.read_bytes()
+    encoding = next((name for mark, name in _MARKED_ENCODINGS if raw.startswith(mark)), "utf-8")
+    name = encoding.removesuffix("-sig").upper()
+    said = "" if encoding == "utf-8" else ", as its byte-order mark says"
+    guess = ": Latin-1 or another 8-bit encoding?" if encoding == "utf-8" else ""
+    try:
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ConfigError(
+            f"{path} is not {name} text{said} (byte 0x{raw[error.start]:02x} on line {line}, its "
+            f"byte {column}{guess}): save the file as UTF-8"
+        ) from None
+    if "\x00" in text:  # UTF-16 or UTF-32 without a byte-order mark reads as UTF-8 with NULs
+        raise ConfigError(f"{path} is not {name} text{said}: it holds NUL bytes (UTF-16 or "
+                          "UTF-32 without a byte-order mark?); save the file as UTF-8")  # fmt: skip
+    return text
+
+
 def _parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {text!r} must look like key=value (e.g. train.beta=0.05)")
+        raise ConfigError(f"override {quoted(text)} must look like key=value "
+                          "(e.g. train.beta=0.05)")  # fmt: skip
     try:
         value = _parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -109,10 +173,16 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 
 def _set_nested(data: dict[str, Any], dotted_key: str, value: Any) -> None:
-    """`keys.set_key`, with a section given a value named as the user wrote it."""
+    """`keys.set_key`, with a section given a value named as the user wrote it (a section of
+    several kinds given its kind alone first becomes the mapping it stands for)."""
     try:
         set_key(data, dotted_key, value)
     except NotASection as error:
+        section = _section_type(error.section)
+        if section is not None and section.shorthand is not None:
+            set_key(data, error.section, expand_shorthand(section, error.value))
+            set_key(data, dotted_key, value)
+            return
         if _section_fields(error.section):  # a section the file left empty, or gave a value
             raise ConfigError(section_message(error.section, error.value)) from None
         part = error.section.rpartition(".")[2]
@@ -126,6 +196,7 @@ def _check_sections(
     a value or empty is named as the user wrote it, before defaults are filled in under it."""
     for name, field in (model or RunConfig).model_fields.items():
         if is_section(field) and name in data:
+            data[name] = expand_shorthand(field.annotation, data[name])
             if not isinstance(data[name], dict):
                 raise ConfigError(section_message(prefix + name, data[name]))
             _check_sections(data[name], field.annotation, f"{prefix}{name}.")
@@ -136,7 +207,7 @@ def section_message(key: str, value: Any) -> str:
     if value is None:
         return (f"{key} is empty: a section needs settings under it ({key}.KEY: value), none "
                 "are given (all commented out?); remove the section or give it a setting")
-    return (f"{key} is a section of settings, not a value (got {value!r:.40}): set its keys, "
+    return (f"{key} is a section of settings, not a value (got {quoted(value, 40)}): set its keys, "
             f"e.g. {key}.{next(iter(_section_fields(key)), 'KEY')}=...")
 
 
@@ -154,12 +225,14 @@ def first_error_line(error: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         parent = ".".join(str(part) for part in first["loc"][:-1])
         allowed = sorted(_section_fields(parent))
-        return f"unknown config key {key!r}; allowed here: {', '.join(allowed)}"
+        return f"unknown config key {quoted(key)}; allowed here: {', '.join(allowed)}"
     message = first["msg"].removeprefix("Value error, ")
+    if message.startswith(f"{key}."):  # a section of several kinds names its own setting
+        return f"invalid value for {message}"
     given = first.get("input")
     if first["type"] == "model_type" and not isinstance(given, dict):  # a section, given a value
         return section_message(key, given)
-    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    shown = "" if isinstance(given, dict) else f" (got {quoted(given)})"
     return f"invalid value for {key}: {message}{shown}"
 
 
@@ -186,14 +259,24 @@ def _setting_key(loc: tuple) -> str:
     return ".".join(parts) or "config"
 
 
-def _section_fields(dotted: str) -> list[str]:
-    """The settings of the section `dotted` ("" the top level); none if it is no section."""
+def _section_type(dotted: str) -> type[BaseModel] | None:
+    """The class of the section `dotted` ("" the top level); None if it is no section."""
     model: type[BaseModel] = RunConfig
     for part in filter(None, dotted.split(".")):
         if part not in model.model_fields:
-            return []
+            return None
         annotation = model.model_fields[part].annotation
         if not is_section_type(annotation):
-            return []
+            return None
         model = annotation
-    return list(model.model_fields)
+    return model
+
+
+def _section_fields(dotted: str) -> list[str]:
+    """The settings of the section `dotted` ("" the top level); none if it is no section (of a
+    section of several kinds, every kind's)."""
+    model = _section_type(dotted)
+    if model is None:
+        return []
+    kinds = model.variants().values() if issubclass(model, Section) else ()
+    return list(dict.fromkeys([*model.model_fields, *(f for k in kinds for f in k.model_fields)]))

@@ -17,13 +17,33 @@ def dump_config(config: RunConfig) -> str:
 
 
 def reference_table(model: type[BaseModel] = RunConfig, prefix: str = "") -> str:
-    """Every setting as a Markdown table row: `| key | default | meaning |`."""
+    """Every setting as a Markdown table row: `| key | default | meaning |`; a section of
+    several kinds, its kinds' settings one after another, each marked with its kind."""
     rows = []
     for name, field in model.model_fields.items():
-        if is_section(field):
+        if is_section(field) and field.annotation.variants():
+            rows.append(_variant_rows(field, f"{prefix}{name}."))
+        elif is_section(field):
             rows.append(reference_table(field.annotation, f"{prefix}{name}."))
         else:
             rows.append(_reference_row(f"{prefix}{name}", field))
+    return "\n".join(rows)
+
+
+def _variant_rows(field, prefix: str) -> str:
+    """A section of several kinds: the field that picks the kind (its default the section's
+    default), with each kind's meaning, then each kind's own settings."""
+    section, default = field.annotation, field.default
+    kind = section.shorthand
+    meanings = "; ".join(variant.model_fields[kind].description or ""
+                         for variant in section.variants().values())  # fmt: skip
+    rows = [f"| `{prefix}{kind}` | `{getattr(default, kind)}` | {field.description}. "
+            f"{meanings} |"]
+    for name, variant in section.variants().items():
+        for setting, setting_field in variant.model_fields.items():
+            if setting != kind:
+                rows.append(_reference_row(f"{prefix}{setting}", setting_field,
+                                           f"(`{kind}={name}`) "))  # fmt: skip
     return "\n".join(rows)
 
 
@@ -61,15 +81,17 @@ def reference_page() -> str:
     for task, preset in TASK_PRESETS.items():
         settings = ", ".join(f"`{key}={value}`" for key, value in preset.items())
         parts.append(f"- `task.name={task}`: {settings}")
-    parts += ["", "## Renamed keys", "", "Older names that still work, with a notice on stderr "
-              "(an old name of another objective's setting than `train.loss`'s is ignored, as "
-              "it always was):", ""]  # fmt: skip
+    renamed = ("Older names that still work, with a notice on stderr (an old name of another "
+               "objective's setting than `train.loss`'s is ignored, as it always was). An "
+               "override by either name replaces the value a file gives the other; both names "
+               "in one file, or on one command line, are an error:")  # fmt: skip
+    parts += ["", "## Renamed keys", "", renamed, ""]
     parts += [f"- `{old}` → `{new}`" for old, new in ALIASES.items()]
     return "\n".join(parts) + "\n"
 
 
-def _reference_row(key: str, field) -> str:
+def _reference_row(key: str, field, note: str = "") -> str:
     default = "null" if field.default is None else field.default
     if isinstance(default, str):  # a newline shown as `\n`, not as a break in the table
         default = default.encode("unicode_escape").decode()
-    return f"| `{key}` | `{default}` | {field.description or ''} |"
+    return f"| `{key}` | `{default}` | {note}{field.description or ''} |"

@@ -148,6 +148,31 @@ def _eight_bit_adam_needs_one_rank(config: RunConfig) -> None:
                          "train.optimizer=adamw")  # fmt: skip
 
 
+def _fresh_uses_need_generations_that_serve_several_steps(config: RunConfig) -> None:
+    """buffer.fresh_uses > 1 (TRL's num_iterations) lets a generation serve several steps. The
+    synchronous mode's `every_step` generates at every step, and the batch takes the newest fresh
+    samples first: each step trains on its own new generation, and an older sample is drawn as
+    fresh again only to fill a batch that its generation left short (rewards that failed), which
+    replay does as well (`tba.runtime.feed.SyncFeed`, `tba.buffer`)."""
+    uses, train = config.buffer.fresh_uses, config.train
+    if uses > 1 and train.mode == "sync" and train.sync_generate == "every_step":
+        raise ValueError(f"buffer.fresh_uses={uses} has no effect with train.mode=sync and "
+                         "train.sync_generate=every_step: every step trains on the new "
+                         "generation it makes, never a second pass over the last one; set "
+                         f"train.sync_generate=when_needed (a generation then serves {uses} "
+                         "passes), or leave buffer.fresh_uses at 1")  # fmt: skip
+
+
+def _transport_needs_searcher_processes(config: RunConfig) -> None:
+    """A weight transport carries weights to searcher processes: the in-process searcher
+    (searchers.count=0) takes them from the trainer directly."""
+    transport = config.searchers.weight_transfer.type
+    if config.searchers.count == 0 and transport != "auto":
+        raise ValueError(f"searchers.weight_transfer={transport} carries weights to searcher "
+                         "processes, and searchers.count=0 runs the searcher in the trainer's "
+                         "process: remove the setting, or set searchers.count >= 1")  # fmt: skip
+
+
 # RunConfig's cross-section rules, checked in this order (the searchers' devices last:
 # `devices._check_searcher_devices`).
 RUN_RULES = (
@@ -159,5 +184,7 @@ RUN_RULES = (
     _ppo_needs_one_rank,
     _critic_copy_needs_full_weights,
     _eight_bit_adam_needs_one_rank,
+    _fresh_uses_need_generations_that_serve_several_steps,
+    _transport_needs_searcher_processes,
     _check_searcher_devices,
 )

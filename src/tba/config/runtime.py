@@ -4,12 +4,13 @@ and Ray (`ray`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SerializeAsAny, field_validator
 
 from tba.config.base import Section
 from tba.config.devices import Device
+from tba.config.transfer import AutoTransfer, TransferSettings, transfer_settings
 
 
 class BufferConfig(Section):
@@ -106,14 +107,11 @@ class SearchersConfig(Section):
         None, ge=1, description="torch CPU threads per searcher (default: num_cpus, at least 1)"
     )
     device: Device = Field("auto", description="searcher device, as policy.device")
-    weight_transfer: Literal["auto", "shared", "broadcast", "object_store"] = Field(
-        "auto", description="how published weights reach the searcher processes: `shared` "
-        "(flat per-dtype buckets on the trainer's device, which searchers on its machine map "
-        "once and copy from: shared memory on a CPU, CUDA IPC on the same GPU), `broadcast` "
-        "(the same buckets sent by torch.distributed, NCCL between GPUs and gloo otherwise, in "
-        "a group of the trainer and each searcher, for other GPUs and machines), "
-        "`object_store` (a copy through host memory and Ray's object store), or `auto` (shared "
-        "wherever a searcher can map the buckets, else broadcast)",
+    weight_transfer: SerializeAsAny[TransferSettings] = Field(
+        AutoTransfer(), description="how published weights reach the searcher processes: a "
+        "transport's name (`searchers.weight_transfer=broadcast`), or its section with its own "
+        "settings (`searchers.weight_transfer.type=shared searchers.weight_transfer.sets=1`); "
+        "each `type` and its settings are listed below",
     )
     max_restarts: int = Field(
         5, ge=0, description="restarts allowed per searcher before the run fails"
@@ -126,6 +124,11 @@ class SearchersConfig(Section):
         5, ge=1, description="a reward function that fails on this many calls in a row stops "
         "the run",
     )
+
+    @field_validator("weight_transfer", mode="before")
+    @classmethod
+    def _transport(cls, value: Any) -> Any:
+        return transfer_settings(value)
 
 
 class TrainerConfig(Section):

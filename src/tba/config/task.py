@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tba.config.base import Section
 from tba.config.devices import Device
@@ -119,6 +119,18 @@ class TaskConfig(Section):
         "for held-out pass@1 (default: the mean summed reward of greedy completions)",
     )
     redteam: RedteamConfig = RedteamConfig()
+
+    @field_validator("eval_func", "reward_funcs", mode="before")
+    @classmethod
+    def _names_not_functions(cls, value: object, info: ValidationInfo) -> object:
+        """A config names functions as `module:function`; a function itself is TBATrainer's
+        argument (a config is saved as text, and read again by `tba eval` and `--resume`)."""
+        given = value if isinstance(value, list | tuple) else [value]
+        if any(callable(item) for item in given):
+            raise ValueError(f"a Python function goes to TBATrainer({info.field_name}=...); "
+                             f"task.{info.field_name} names one as `module:function` (a module "
+                             "or a .py file)")  # fmt: skip
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:

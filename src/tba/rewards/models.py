@@ -8,24 +8,31 @@ the completion's messages rendered by the reward tokenizer's chat template. `cla
 is the batched forward pass it shares with the red-teaming classifier.
 
 Models load the first time they score, in the process that calls them (`tba.lazy.Lazy`): each
-searcher loads its own copy and nothing big travels with the task.
+searcher loads its own copy and nothing big travels with the task. Where the model's files are is
+settled when the reward is made, in the process that makes the task (`reward_model_files`): a
+name that is no directory and no model on the Hub is one line at once, not a reward that fails
+in every searcher, and every process loads the same files.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tba.core import Prompt
+from tba.errors import ConfigError
 from tba.lazy import Lazy
 from tba.policy.model import resolve_device
+from tba.policy.sources import hub_snapshot, looks_like_a_path
 
 
 class RewardModel:
-    """A reward function scoring each `prompt + completion + EOS` with a reward model."""
+    """A reward function scoring each `prompt + completion + EOS` with a reward model; `key`
+    names the setting that gave `name_or_path`, in the error when no such model is found."""
 
     def __init__(
         self,
@@ -35,12 +42,14 @@ class RewardModel:
         batch_size: int = 32,
         tokenizer_fallback: str | None = None,
         name: str = "reward_model",
+        key: str = "task.reward_funcs",
     ) -> None:
         self.name_or_path = name_or_path
         self.device = device
         self.batch_size = batch_size
         self.__name__ = name  # the key of this reward in a sample's reward parts
-        self.model = Lazy(partial(load_reward_model, name_or_path, device, tokenizer_fallback))
+        files = reward_model_files(name_or_path, key)
+        self.model = Lazy(partial(load_reward_model, files, device, tokenizer_fallback))
 
     def __call__(self, prompts: list[Prompt], completions: list, **_: object) -> list[float]:
         tokenizer = self.model.get()[1]
@@ -66,6 +75,26 @@ class RewardModel:
         """Scores of whole texts, read at their last token (padding excluded)."""
         model, tokenizer = self.model.get()
         return classifier_logits(model, tokenizer, texts, self.batch_size)[:, 0].float().tolist()
+
+
+def reward_model_files(name_or_path: str, key: str = "task.reward_funcs") -> str:
+    """The local directory of the reward model `name_or_path`: the directory itself, or the
+    snapshot of a Hub id in the Hub cache (downloaded once; `HF_HUB_OFFLINE=1`: the cache only).
+    A name that is neither is a `ConfigError` naming `key`, what was looked for and why it
+    failed."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    strings = "a string there names a sequence-classification reward model (directory or Hub id)"
+    if key.endswith("reward_funcs"):
+        strings += ", or a reward function as `module:function` (a module or a .py file)"
+    if path.exists() or looks_like_a_path(name_or_path):
+        what = "a file, not a model directory" if path.exists() else "no such directory"
+        raise ConfigError(f"{key}: {name_or_path!r} is {what}; {strings}")
+    try:
+        return str(hub_snapshot(name_or_path, key))
+    except FileNotFoundError as error:  # not in the cache, not on the Hub, no network
+        raise ConfigError(f"{str(error).rstrip('.')}; {strings}") from None
 
 
 def _ending_with_eos(text: str, tokenizer: Any) -> str:

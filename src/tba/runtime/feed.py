@@ -103,10 +103,10 @@ class Feed(ABC):
         return (step - 1) % self.config.train.sync_every == 0
 
     def _sync_weights(self) -> None:
-        """The trainer's weights as a new version, offered to every searcher
-        (`Searchers.publish_from`: a copy, shared buckets, or nothing where they sample with the
-        trainer's own module)."""
-        self.searchers.publish_from(self.trainer)
+        """The trainer's weights as a new version for every searcher (`Searchers.publish`:
+        through the weight transports, a copy, or nothing where they sample with the trainer's
+        own module)."""
+        self.searchers.publish(self.trainer)
         self.sync_next = False
 
     def _merge(self, samples: list[Sample], stats: dict[str, float]) -> list[Sample]:

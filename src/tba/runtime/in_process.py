@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from tba.core import Sample
 from tba.runtime.pool import Searchers
 from tba.searcher import PromptStream, Searcher
+from tba.trainer import WeightVersions
 
 
 class InProcessSearchers(Searchers):
@@ -18,13 +17,15 @@ class InProcessSearchers(Searchers):
 
     def __init__(self, searcher: Searcher) -> None:
         self.searcher = searcher
-        # Sampling with the trainer's own module, it needs no copy of the weights.
-        self.needs_weights = not searcher.shares_trainer_model
 
-    def offer_weights(
-        self, weights: dict[str, np.ndarray] | None, version: int, step: int
-    ) -> None:
-        self.searcher.set_weights(weights, version, step)
+    def publish(self, trainer: WeightVersions) -> None:
+        """A copy of the weights into the searcher's own model; none where it samples with the
+        trainer's module."""
+        version, step = trainer.publish()
+        if self.searcher.shares_trainer_model:
+            self.searcher.adopt(version, step)
+        else:
+            self.searcher.set_weights(trainer.weights(), version, step)
 
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
         return self.searcher.generate(num_prompts)

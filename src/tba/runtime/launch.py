@@ -94,7 +94,7 @@ def open_searchers(
     # Searcher ledgers live in the run directory, which only processes on this machine can see.
     ledger_dir = run_dir / "searchers" if config.ray.address is None else None
     with ray_session(config, lambda text: log_event("ray", message=text), local_ray_gpus(config)):
-        searchers = RaySearchers(config, policy_dir, task, log_event, ledger_dir)
+        searchers = RaySearchers(config, policy_dir, task, log_event, trainer, ledger_dir)
         if state:
             searchers.load_state_dict(state)
         searchers.launch()

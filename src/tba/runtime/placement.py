@@ -31,7 +31,7 @@ import torch
 from tba.config import RunConfig, check_searcher_devices
 from tba.errors import ConfigError
 from tba.policy.model import check_device, resolve_device
-from tba.trainer import Trainer
+from tba.trainer import WeightVersions
 
 
 def trainer_device(config: RunConfig) -> torch.device:
@@ -50,11 +50,11 @@ def same_device(a: str | torch.device, b: str | torch.device) -> bool:
     return resolve_device(a) == resolve_device(b)
 
 
-def shares_trainer_model(config: RunConfig, trainer: object) -> bool:
+def shares_trainer_model(config: RunConfig, trainer: WeightVersions) -> bool:
     """Whether the in-process searcher can sample with the trainer's own module: the trainer is
     in this process, on the searcher's device, and every generation comes right after a publish
     (`train.sync_every=1`), so that the module then holds exactly the published version."""
-    if not isinstance(trainer, Trainer) or config.train.sync_every != 1:
+    if not trainer.trains_here or config.train.sync_every != 1:
         return False
     return same_device(searcher_device(config), next(trainer.model.parameters()).device)
 

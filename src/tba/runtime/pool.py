@@ -1,4 +1,4 @@
-"""The trainer's view of its searchers, wherever they run: `Searchers` (offer weights, generate
+"""The trainer's view of its searchers, wherever they run: `Searchers` (publish weights, generate
 now, hand over reward faults, checkpoint state) and `AsyncSearchers` (also generate without
 pause and hand over what they made). `tba.runtime.in_process` runs one searcher inside the
 trainer process; `tba.runtime.ray_pool` runs them as Ray actors; `tba.runtime.launch` picks."""
@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Any
-
-import numpy as np
 
 from tba.core import Sample
 from tba.trainer import WeightVersions
@@ -19,25 +17,11 @@ class Searchers(ABC):
 
     restarts: int = 0  # searcher processes replaced after they died
     discarded_in_flight: int = 0  # samples made but never handed over: work lost, not data
-    needs_weights: bool = True  # False: they sample with the trainer's own module
 
     @abstractmethod
-    def offer_weights(
-        self, weights: dict[str, np.ndarray] | None, version: int, step: int
-    ) -> None:
-        """Make these the weights of the next generations: `version`, published at optimizer
-        step `step` (`weights` None when they do not `needs_weights`: the trainer's module as it
-        is now)."""
-
-    def publish_from(self, trainer: WeightVersions) -> None:
-        """The trainer's weights as a new version, offered to every searcher: as a copy
-        (`trainer.next_version()`), unless they sample with the trainer's own module. Searchers
-        with a faster way to the weights than a copy through host memory override it
-        (`tba.runtime.ray_pool`: shared buckets)."""
-        if self.needs_weights:
-            self.offer_weights(*trainer.next_version())
-        else:
-            self.offer_weights(None, *trainer.publish())
+    def publish(self, trainer: WeightVersions) -> None:
+        """The trainer's weights as they are now as a new version (`trainer.publish`), for every
+        searcher's next generation."""
 
     @abstractmethod
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:

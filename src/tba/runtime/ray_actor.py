@@ -1,15 +1,13 @@
 """A searcher in its own process (a Ray actor): it generates in a background thread and hands over
 what it made whenever the trainer asks.
 
-The actor is threaded: the generation loop runs in its own thread, so `collect` and
-`offer_weights` answer at once even while a batch is being generated, and the trainer never waits
-on generation in flight. Weights are offered as an object-store reference and adopted between
-batches; new samples wait in an outbox until the trainer collects them. On the trainer's machine
-the offer comes with the handles of the trainer's shared weight buckets (once), and the searcher
-copies the newest version out of them instead (`tba.runtime.weight_buckets`); where it cannot map
-them (another machine, another GPU), it joins the trainer's broadcast group when it is offered one
-(`tba.runtime.weight_broadcast`), else takes the object store's, and says which in its reports. A
-full outbox pauses the loop, so memory stays bounded however slow the trainer is.
+The actor is threaded: the generation loop runs in its own thread, so `collect` and `offer`
+answer at once even while a batch is being generated, and the trainer never waits on generation
+in flight. Each published version is offered (`tba.runtime.transfer.Offer`) and taken between
+batches, through the transport the searcher attached to (`tba.runtime.transfer.Receiving`: the
+first the trainer offered that works here; its reports say which, and the digest of the weights
+it generates with); new samples wait in an outbox until the trainer collects them. A full outbox
+pauses the loop, so memory stays bounded however slow the trainer is.
 
 With a `ledger_path`, the actor records after every batch how many samples it has made and how
 far it is in its prompt stream, before the batch can be collected. The file outlives the process,
@@ -36,8 +34,7 @@ from tba.errors import RunError
 from tba.policy.model import get_weights, load_policy, resolve_device
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
-from tba.runtime.weight_broadcast import BroadcastReceiver
-from tba.runtime.weight_buckets import BucketReader, CannotAttach
+from tba.runtime.transfer import Offer, ReceiverPlace, Receiving
 from tba.searcher import Searcher, SearchSettings
 
 
@@ -81,7 +78,6 @@ class SearcherActor:
             incarnation=incarnation, stream_seed=stream_seed, stream_taken=stream_taken,
             model_dir=policy_dir,
         )  # fmt: skip
-        self.weights_timeout_s = weights_timeout_s
         self.ledger_path = ledger_path
         self._ledger_lock = threading.Lock()
         self._ledger_closed = False
@@ -91,55 +87,40 @@ class SearcherActor:
         self._faults: list[tuple[str, str, int]] = []
         self._lock = threading.Condition()
         self._outbox: list[Sample] = []
-        # (version, the optimizer step it was published at, ObjectRef of the weights)
-        self._offer: tuple[int, int, object] | None = None
-        # The trainer's shared weight buckets: their handles until this searcher tries them,
-        # then the reader mapping them or the receiver of the trainer's broadcast (neither: the
-        # object store's path), and which path it took.
-        self._bucket_handles: dict | None = None
-        self._reader: BucketReader | None = None
-        self._receiver: BroadcastReceiver | None = None
-        self.weight_transfer: str | None = None  # "shared", "broadcast", "object_store"
-        self.weight_transfer_why = ""
+        self._offer: Offer | None = None  # the newest version offered, not taken yet
+        self._candidates: tuple | None = None  # transports to try before the next batch
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else None
+        name = f"searcher{searcher_id}.{incarnation}.{os.getpid()}"
+        self.receiving = Receiving(self.searcher.policy,
+                                   ReceiverPlace(self.node, host, name, weights_timeout_s))
         self._counters: Counter[str] = Counter()
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def offer_weights(
-        self, version: int, step: int, refs: list, buckets: dict | None = None
-    ) -> None:
-        """Weights of `version`, published at optimizer step `step`, to adopt before the next
-        batch (wrapped in a list so that Ray passes the reference instead of fetching the arrays
-        here; [None] when they come only through the shared buckets). `buckets`: the handles of
-        the trainer's shared weight buckets, tried once before the next batch."""
+    def offer(self, offer: Offer) -> None:
+        """A published version to take before the next batch (with the transports to try, until
+        this searcher has taken one it stays with)."""
         with self._lock:
-            if buckets is not None and self.weight_transfer is None:
-                self._bucket_handles = buckets
-            if self._offer is None or version > self._offer[0]:
-                self._offer = (version, step, refs[0])
+            if offer.candidates is not None:
+                self._candidates = offer.candidates
+            if self._offer is None or offer.version > self._offer.version:
+                self._offer = offer
 
-    def generate_batch(
-        self, num_prompts: int, version: int, step: int, refs: list, buckets: dict | None = None
-    ) -> tuple[list[Sample], dict[str, float]]:
-        """Synchronous mode: one batch with the given weights, returned at once."""
-        self.offer_weights(version, step, refs, buckets)
-        self._adopt_offered_weights(exact=True)
+    def generate_batch(self, num_prompts: int, offer: Offer) -> tuple[list[Sample], dict]:
+        """Synchronous mode: one batch with the version offered, returned at once."""
+        self.offer(offer)
+        self._take_offered_weights(exact=True)
         samples, stats = self.searcher.generate(num_prompts)
         self._write_ledger()
-        return samples, stats | {
-            "version": self.searcher.version,
-            **self._whereabouts(),
+        return samples, stats | self._whereabouts() | {
             "stream_taken": self.searcher.stream.taken,
             "reward_faults": self.searcher.take_reward_faults(),
         }
 
-    def start(
-        self, prompts_per_batch: int, max_unsent: int, version: int, step: int, refs: list,
-        buckets: dict | None = None,
-    ) -> None:  # fmt: skip
-        """Asynchronous mode: generate until stopped, starting with the given weights."""
-        self.offer_weights(version, step, refs, buckets)
+    def start(self, prompts_per_batch: int, max_unsent: int, offer: Offer) -> None:
+        """Asynchronous mode: generate until stopped, starting with the version offered."""
+        self.offer(offer)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, args=(prompts_per_batch, max_unsent), daemon=True
@@ -158,7 +139,6 @@ class SearcherActor:
             raise RuntimeError(self._error)
         return {
             "samples": samples,
-            "version": self.searcher.version,
             **self._whereabouts(),
             "stream_taken": stream_taken,
             "reward_faults": faults,
@@ -179,83 +159,35 @@ class SearcherActor:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _adopt_offered_weights(self, exact: bool = False) -> None:
-        """The newest weights offered, before the next batch. `exact` (synchronous mode): the
-        version offered, waited for if it is still on its way (broadcast)."""
-        import ray  # this process is a Ray actor: Ray is there, and was imported by Ray itself
-
+    def _take_offered_weights(self, exact: bool = False) -> None:
+        """The newest version offered, before the next batch, through the transport this
+        searcher attached to. `exact` (synchronous mode): the version offered, waited for if it
+        is still on its way; so is the first version a searcher takes (it has nothing else)."""
         with self._lock:
             offer, self._offer = self._offer, None
-            handles, self._bucket_handles = self._bucket_handles, None
-        if handles is not None:
-            self._attach(handles)
-        start = time.time()
-        copied, fell_back = None, False
-        if self._receiver is not None:
-            copied = self._copy_broadcast(offer, exact)
-            if self._receiver.error is not None:  # cannot join the group, or it broke
-                self.weight_transfer, self.weight_transfer_why = "object_store", \
-                    self._receiver.error  # fmt: skip
-                self._receiver, fell_back = None, True
-        if self._reader is not None:  # the newest whole version out of the shared buckets
-            copied = self._reader.copy_newest(newer_than=self.searcher.version)
-        if copied is not None:
-            self.searcher.weights_copied(*copied)
-        elif offer is not None and offer[0] > self.searcher.version and self._receiver is None \
-                and self._reader is None:  # fmt: skip
-            version, step, ref = offer
-            if ref is None and fell_back and not exact:
-                # The trainer sends copies once it reads the report; until one comes, the
-                # weights it has (synchronous mode must have the version offered: it fails).
-                return
-            if ref is None:
-                raise RunError(
-                    f"weights of version {version} were offered only through the trainer's "
-                    f"shared buckets or broadcast, which this searcher cannot use "
-                    f"({self.weight_transfer_why}); set searchers.weight_transfer=object_store"
-                )
-            self.searcher.set_weights(ray.get(ref, timeout=self.weights_timeout_s), version, step)
-        else:
+            candidates, self._candidates = self._candidates, None
+        if candidates:
+            self.receiving.attach(candidates)
+        if offer is None and self.receiving.using is None:
             return
+        start = time.time()
+        first = self.searcher.version == 0  # it has nothing to generate with but the base
+        try:
+            copied = self.receiving.receive(self.searcher.version, offer, wait=first,
+                                            exact=exact)  # fmt: skip
+        except RuntimeError as error:
+            raise RunError(f"{error}; set searchers.weight_transfer=object_store") from None
+        if copied is None:
+            return
+        self.searcher.adopt(*copied)
         self._counters["sync_seconds"] += time.time() - start
         self._counters["weight_updates"] += 1
-
-    def _copy_broadcast(self, offer: tuple | None, exact: bool) -> tuple[int, int] | None:
-        """The newest version the trainer's broadcast staged, if newer than the model's: waited
-        for in synchronous mode (`exact`), and by a searcher that has received nothing yet (as
-        one given its weights through the object store starts with them); None also when the
-        group failed meanwhile (`self._receiver.error` says how)."""
-        behind = offer is not None and offer[0] > self.searcher.version
-        first = self._receiver.staged[0] < 0
-        wait = offer[0] if behind and (exact or first) else None
-        try:
-            return self._receiver.copy_newest(newer_than=self.searcher.version, wait_for=wait,
-                                              timeout_s=self.weights_timeout_s)  # fmt: skip
-        except RuntimeError:  # the group failed while it waited
-            return None
-
-    def _attach(self, handles: dict) -> None:
-        """Map the trainer's shared weight buckets; where it cannot, join its broadcast group if
-        it has one; else note why not (the object store's path)."""
-        try:
-            if handles.get("only") == "broadcast":
-                raise CannotAttach("searchers.weight_transfer=broadcast")
-            self._reader = BucketReader(handles, self.searcher.policy, self.node)
-            self.weight_transfer, self.weight_transfer_why = "shared", ""
-        except CannotAttach as why:
-            self.weight_transfer, self.weight_transfer_why = "object_store", str(why)
-            if handles.get("broadcast") is not None:
-                name = f"searcher{self.searcher.searcher_id}.{self.searcher.incarnation}." \
-                    f"{os.getpid()}"  # fmt: skip
-                self._receiver = BroadcastReceiver(handles["broadcast"], self.searcher.policy,
-                                                   name, self.weights_timeout_s)  # fmt: skip
-                self.weight_transfer = "broadcast"
 
     def _whereabouts(self) -> dict:
         engine_start = getattr(self.searcher.engine, "start_seconds", None)
         return {"pid": os.getpid(), "node": self.node, "nice": self.niceness,
-                "engine_start_seconds": engine_start, "weight_transfer": self.weight_transfer,
-                "weight_transfer_why": self.weight_transfer_why}  # fmt: skip
+                "engine_start_seconds": engine_start, "version": self.searcher.version,
+                **self.receiving.report()}  # fmt: skip
 
     def _loop(self, prompts_per_batch: int, max_unsent: int) -> None:
         normal_priority()  # this thread, and the torch threads it starts
@@ -266,7 +198,7 @@ class SearcherActor:
                     while len(self._outbox) >= max_unsent and not self._stop.is_set():
                         self._lock.wait(timeout=1.0)
                     self._counters["idle_seconds"] += time.time() - start
-                self._adopt_offered_weights()
+                self._take_offered_weights()
                 samples, stats = self.searcher.generate(prompts_per_batch)
                 self._write_ledger()
                 with self._lock:

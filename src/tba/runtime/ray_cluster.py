@@ -9,7 +9,9 @@
   exists (`~/.ray/auth_token`, `RAY_AUTH_TOKEN`) checks tokens, and a driver sends its token only
   with `RAY_AUTH_MODE=token`: set here when a token exists and the mode is not chosen (a cluster
   without token checks accepts such a driver as well). A cluster that cannot be joined is one
-  line naming the address and what to check.
+  line naming the address and what to check: an address not in a form Ray joins, before
+  anything of the run is made (`check_cluster`); one where nothing answers, within seconds (Ray
+  itself would retry for minutes).
 
 A local instance is stopped at exit; if this process is killed before it can stop it, a small
 watcher (`ray_reaper.py`) stops what is left.
@@ -21,6 +23,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,14 +32,63 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tba.config import RunConfig
-from tba.errors import RunError, first_line
+from tba.errors import ConfigError, RunError, first_line
 
 TOKEN_FILE = Path("~/.ray/auth_token").expanduser()
+# The signals a run handles (`tba.interrupts.STOP_SIGNALS`), which Ray must leave to it.
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long a cluster's address may take to answer before the run says it cannot join it.
+PROBE_SECONDS = 5.0
 
 
 def cluster_address(config: RunConfig) -> str | None:
     """The Ray cluster the run joins (None: a local instance of its own)."""
     return config.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def uses_ray(config: RunConfig) -> bool:
+    """Whether the run starts or joins Ray: for searcher processes, or trainer ranks
+    (`tba.runtime.launch`)."""
+    return config.searchers.count > 0 or config.trainer.world_size > 1
+
+
+def check_cluster(config: RunConfig) -> None:
+    """Before anything of the run is made: the cluster it joins (`ray.address`, `RAY_ADDRESS`)
+    is in a form Ray joins (`host:port`, `ray://host:port`, `auto`, `local`), else one line
+    naming the setting (`ConfigError`), and something answers at it within `PROBE_SECONDS`,
+    else one line naming the address (`RunError`)."""
+    address = cluster_address(config)
+    if not uses_ray(config) or address is None or address in ("auto", "local"):
+        return
+    source = "ray.address" if config.ray.address else "RAY_ADDRESS"
+    scheme, _, rest = address.rpartition("://")
+    if scheme not in ("", "ray", "http", "https"):  # a client of Ray's by its module's name
+        return
+    # An http address (a dashboard's, which Ray refuses to join) has no host:port of its own.
+    host, port = _host_and_port(address if scheme.startswith("http") else rest, address, source)
+    try:
+        socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+    except OSError as error:
+        reason = error.strerror or ("no answer" if isinstance(error, TimeoutError) else
+                                    first_line(error))  # fmt: skip
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        check = "" if scheme else f" (`ray status --address {address}`)"
+        raise RunError(f"cannot join the Ray cluster at {address} ({source}): nothing answers at "
+                       f"{where} ({reason}); is it up{check}, and is that its address?") from None
+
+
+def _host_and_port(where: str, address: str, source: str) -> tuple[str, int]:
+    """(host, port) of `where`, `host:port` (`[v6 address]:port` too) in `address`, else one line
+    naming `source`."""
+    host, _, port = where.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or "/" in host or any(c.isspace() for c in host) or not port.isdigit() or not (
+            0 < int(port) < 65536):  # fmt: skip
+        what = f"invalid value for {source}" if source == "ray.address" else f"invalid {source}"
+        raise ConfigError(f"{what}: a Ray cluster to join is host:port (its GCS server, e.g. "
+                          "10.0.0.5:6379), ray://host:port (its client server, e.g. "
+                          f"ray://10.0.0.5:10001), auto or local (got {address!r})")
+    return host, int(port)
 
 
 def is_loopback(address: str) -> bool:
@@ -93,26 +145,32 @@ def ray_session(
         if gpus is not None:
             options["num_gpus"] = gpus[0]
     else:
+        check_cluster(config)  # Ray's own join retries for minutes where nothing answers
         options["address"] = address
         source = "ray.address" if config.ray.address else "RAY_ADDRESS"
         log(f"joining the Ray cluster at {address} ({source})")
+    visible = gpus[1] if address is None and gpus is not None else None
     try:
-        visible = gpus[1] if address is None and gpus is not None else None
-        with _signal_handlers_kept(ray), _raylet_gpus(visible):
-            ray.init(**options)
-    except ConnectionError as error:
-        reason = first_line(error)
-        raise RunError(
-            f"cannot join the Ray cluster at {address}: {reason}; is it up (`ray status "
-            f"--address {address}`), and if it checks auth tokens, does this machine have its "
-            "token (~/.ray/auth_token or RAY_AUTH_TOKEN)?"
-        ) from None
-    if address is None:
-        _reap_when_gone(ray)
-    try:
+        try:
+            with _signals_wait_for(ray) as waiting, _raylet_gpus(visible):
+                ray.init(**options)
+        except ConnectionError as error:
+            reason = first_line(error)
+            raise RunError(
+                f"cannot join the Ray cluster at {address}: {reason}; is it up (`ray status "
+                f"--address {address}`), and if it checks auth tokens, does this machine have its "
+                "token (~/.ray/auth_token or RAY_AUTH_TOKEN)?"
+            ) from None
+        if address is None:
+            _reap_when_gone(ray)
+        if waiting:  # a signal that came while Ray started: handled now, Ray stopped on the way out
+            signal.raise_signal(waiting[0])
         yield
     finally:
-        ray.shutdown()
+        with _signals_wait_for(ray) as waiting:
+            ray.shutdown()
+        if waiting:
+            signal.raise_signal(waiting[0])
 
 
 @contextmanager
@@ -137,21 +195,39 @@ def _raylet_gpus(visible: str | None) -> Iterator[None]:
 
 
 @contextmanager
-def _signal_handlers_kept(ray) -> Iterator[None]:
-    """`ray.init` replaces the main thread's SIGTERM handler with one that exits at once (a
-    `SystemExit` wherever the process is; in Ray's own waits, a C stack dump and status 134):
-    a process that handles SIGTERM itself (`tba.interrupts.stop_on_interrupt`) keeps its handlers,
-    during `ray.init` too."""
+def _signals_wait_for(ray) -> Iterator[list[int]]:
+    """While Ray starts or shuts down (`ray.init`, `ray.shutdown`), a signal the run handles
+    waits for it to end, in the list this yields: an exception raised inside `ray.init` left Ray
+    half started, and the process then crashed in C as it exited (SIGSEGV, about one Ctrl-C in
+    four at an asynchronous start); a second signal ends the process at once. The run's own
+    handlers are kept across it, and installed again at its end: `ray.init` replaces the main
+    thread's SIGTERM handler with one that exits at once (a `SystemExit` wherever the process is;
+    in Ray's own waits, a C stack dump and status 134), and `ray.shutdown` resets SIGTERM's
+    action to the default in C, below Python's notice (`signal.getsignal` still names the run's
+    handler, which the kernel no longer called: a SIGTERM in the final evaluation or save killed
+    the process where it was, its `.lock` left)."""
+    waiting: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield waiting
         return
-    saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    saved = {number: signal.getsignal(number) for number in HANDLED_SIGNALS}
+
+    def wait(signum, frame) -> None:
+        if waiting:  # the user will not wait for Ray
+            os.write(2, f"tba: interrupted again by {signal.Signals(signum).name} while Ray "
+                        "starts or stops: exiting at once\n".encode())  # fmt: skip
+            os._exit(128 + signum)
+        waiting.append(signum)
+
+    for number, handler in saved.items():
+        if callable(handler):
+            signal.signal(number, wait)
     utils = getattr(ray, "_private", None) and getattr(ray._private, "utils", None)
     setter = getattr(utils, "set_sigterm_handler", None)
     if callable(saved[signal.SIGTERM]) and setter is not None:
         utils.set_sigterm_handler = lambda handler: None
     try:
-        yield
+        yield waiting
     finally:
         if setter is not None:
             utils.set_sigterm_handler = setter

@@ -1,12 +1,10 @@
 """Searchers as Ray actors: `RaySearchers` runs `searchers.count` of them (`ray_actor`), on a
-local Ray instance or a cluster. With the trainer in this process (`searchers.weight_transfer`
-`auto` or `shared`), a publish is a copy of its model into flat shared buckets on its device
-(`weight_buckets`), whose handles each searcher process gets once and copies from; Ray carries
-only the version. A searcher that cannot map them (another machine, another GPU) joins the
-trainer's broadcast group instead, which sends it the same buckets (`weight_broadcast`); with
-`object_store` (or a sharded trainer, whose ranks are Ray actors) the weights are put into the
-object store once per offer, every searcher fetching that one copy. Which path the searchers
-take is logged once per path (`weight_transfer`).
+local Ray instance or a cluster. A publish goes out through the run's weight transports
+(`tba.runtime.transfer`: by default shared buckets that searchers on the trainer's machine map,
+a broadcast group for the others, the object store as the way of last resort); Ray carries each
+searcher its offer of the version. Which way each searcher takes is logged once per way
+(`weight_transfer`), and the digest of the weights each one generates with is checked against
+the version it says they are.
 
 A searcher process that dies is replaced by a new one with the latest weights (up to
 `searchers.max_restarts` times each); one that does not answer within `ray.sync_timeout_s`
@@ -29,15 +27,15 @@ import numpy as np
 
 from tba.config import RunConfig
 from tba.core import EventLogger, Sample, Task
-from tba.errors import ConfigError, SearcherError, first_line
+from tba.errors import SearcherError, first_line
 from tba.runtime.placement import searcher_gpus
 from tba.runtime.pool import AsyncSearchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_cluster import cluster_address
-from tba.runtime.weight_broadcast import BroadcastHub
-from tba.runtime.weight_buckets import WeightBuckets
+from tba.runtime.transfer import SenderPlace, open_chain
+from tba.runtime.transfer.buckets import BucketCache
 from tba.searcher import SearchSettings
-from tba.trainer import Trainer, WeightVersions
+from tba.trainer import WeightVersions
 
 LEDGER_CLOSE_TIMEOUT_S = 5.0  # a live searcher answers at once: its generation runs in a thread
 
@@ -61,7 +59,6 @@ class _Slot:
     handed: int = 0  # samples this incarnation has handed over
     restarts: int = 0  # deaths replaced so far (a resume starts a new incarnation, not a restart)
     node: str | None = None  # the Ray node it runs on, once it reported
-    transfer: str | None = None  # how its process takes weights ("shared", "object_store")
 
 
 class RaySearchers(AsyncSearchers):
@@ -74,6 +71,7 @@ class RaySearchers(AsyncSearchers):
         policy_dir: Path,
         task: Task,
         log_event: EventLogger,
+        trainer: WeightVersions,
         ledger_dir: Path | None = None,
     ) -> None:
         # Imported here, not at the top: a run without searcher processes needs no Ray, and Ray
@@ -92,11 +90,12 @@ class RaySearchers(AsyncSearchers):
             num_cpus=sc.num_cpus, num_gpus=self.num_gpus, max_concurrency=4, max_restarts=0
         )
         self._rows = ray.put(task.train_rows)  # one copy, shared by every searcher
-        self._weights: tuple[int, int, Any] | None = None  # (version, step, ObjectRef|None)
-        self._buckets: WeightBuckets | None = None  # the trainer's shared weight buckets
-        self._hub: BroadcastHub | None = None  # and their broadcast, for searchers elsewhere
-        self._bucket_handles: dict[str, Any] | None = None
-        self._transfer_logged: set[str] = set()
+        self.transfer = open_chain(
+            sc.weight_transfer, trainer, self._sender_place(), log_event,
+            local=cluster_address(config) is None and trainer.trains_here
+            and next(trainer.model.parameters()).device.type == "cpu",
+        )  # fmt: skip
+        self._published = False
         self._running = False
         self._reward_faults: list[tuple[str, str, int]] = []
         self.ledger_dir = ledger_dir
@@ -106,10 +105,18 @@ class RaySearchers(AsyncSearchers):
         self._discarded = 0  # by this run's searchers
         self._killed: list[dict[str, Any]] = []  # searchers of killed runs, from the checkpoint
 
+    def _sender_place(self) -> SenderPlace:
+        """Where the trainer's side of the weight transports runs: this process, on this node."""
+        ray = self._ray
+        return SenderPlace(node=ray.get_runtime_context().get_node_id(),
+                           host=ray.util.get_node_ip_address(), timeout_s=self.timeout,
+                           buckets=BucketCache(), put=ray.put)  # fmt: skip
+
     def launch(self) -> None:
         """Start every searcher's process."""
         for i, slot in enumerate(self.slots):
             slot.handle = self._spawn(i, slot.incarnation, slot.stream_taken)
+            self.transfer.new_searcher(i)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a checkpoint's streams, each searcher as a new incarnation (the processes of
@@ -164,93 +171,22 @@ class RaySearchers(AsyncSearchers):
 
     # ------------------------------------------------------------------------------ weights
 
-    def offer_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
-        self._weights = (version, step, self._ray.put(weights))
-        if self._running:
-            for slot in self.slots:
-                slot.handle.offer_weights.remote(version, step, [self._weights[2]])
-
-    def publish_from(self, trainer: WeightVersions) -> None:
-        """A new version: into the shared buckets where the trainer is in this process (and
-        into the object store only for searchers that cannot map them), else as a copy through
-        the object store."""
-        mode = self.config.searchers.weight_transfer
-        if mode == "object_store" or not isinstance(trainer, Trainer):
-            if mode in ("shared", "broadcast"):
-                raise ConfigError(f"searchers.weight_transfer={mode} needs the trainer in this "
-                                  "process (trainer.world_size=1)")  # fmt: skip
-            why = ("searchers.weight_transfer=object_store" if mode == "object_store"
-                   else "the trainer's ranks are Ray actors")  # fmt: skip
-            self._log_transfer("object_store", why=why)
-            self.offer_weights(*trainer.next_version())
-            return
-        if self._buckets is None:
-            self._share(trainer)
+    def publish(self, trainer: WeightVersions) -> None:
+        """A new version through the run's weight transports, offered to every searcher."""
         version, step = trainer.publish()
         try:
-            self._buckets.publish(version, step, timeout_s=self.timeout)
+            self.transfer.publish(version, step)
         except TimeoutError as error:
-            raise SearcherError(f"{error} (ray.sync_timeout_s={self.timeout:g})") from None
-        if self._hub is not None:
-            self._hub.published()
-            for name, why in self._hub.take_lost():
-                self.log_event("weight_broadcast_lost", searcher=name, reason=why)
-        copy = any(self._wants_copy(slot) for slot in self.slots)
-        self._weights = (version, step, self._ray.put(trainer.weights()) if copy else None)
+            raise SearcherError(str(error)) from None
+        self._published = True
         if self._running:
-            for slot in self.slots:
-                slot.handle.offer_weights.remote(*self._offer(slot))
+            for i, slot in enumerate(self.slots):
+                slot.handle.offer.remote(self._offer(i))
 
-    def _share(self, trainer: Trainer) -> None:
-        """The trainer's shared buckets, and (unless `shared` alone) their broadcast."""
-        mode = self.config.searchers.weight_transfer
-        context = self._ray.get_runtime_context()
-        self._buckets = WeightBuckets(trainer.model, node=context.get_node_id())
-        self._bucket_handles = self._buckets.handles()
-        if mode in ("auto", "broadcast"):
-            host = self._ray.util.get_node_ip_address()
-            self._hub = BroadcastHub(self._buckets, host, join_timeout_s=self.timeout)
-            self._bucket_handles |= {"broadcast": self._hub.handles(),
-                                     "only": mode if mode == "broadcast" else None}  # fmt: skip
-
-    def _wants_copy(self, slot: _Slot) -> bool:
-        """Whether this searcher takes the weights through the object store: it could neither
-        map the buckets nor join their broadcast, or it has not said yet and may not be able to
-        (`auto`: anywhere but in shared memory on this machine, which every local searcher
-        maps)."""
-        mode = self.config.searchers.weight_transfer
-        if self._buckets is None or (slot.transfer == "object_store" and mode != "shared"):
-            return True
-        if mode in ("shared", "broadcast") or slot.transfer in ("shared", "broadcast"):
-            return False
-        local = cluster_address(self.config) is None and self._buckets.device.type == "cpu"
-        return not local
-
-    def _offer(self, slot: _Slot) -> tuple[int, int, list, dict[str, Any] | None]:
-        """The latest version as this searcher takes it: (version, step, [ObjectRef or None],
-        the buckets' handles until it has said whether it maps them)."""
-        version, step, ref = self._latest_weights()
-        if ref is None and self._wants_copy(slot):  # (a new process, since the last publish)
-            version, step, weights = self._buckets.latest_numpy()
-            ref = self._ray.put(weights)
-            self._weights = (version, step, ref)
-        handles = self._bucket_handles if slot.transfer is None else None
-        return version, step, [ref], handles
-
-    def _note_transfer(self, i: int, report: dict) -> None:
-        slot = self.slots[i]
-        # (It changes once more where a broadcast group fails: to the object store.)
-        if report.get("weight_transfer") not in (None, slot.transfer):
-            slot.transfer = report["weight_transfer"]
-            why = report.get("weight_transfer_why") or (
-                f"buckets on the trainer's {self._buckets.device}" if self._buckets else "")
-            self._log_transfer(slot.transfer, why=why, searcher=i)
-
-    def _log_transfer(self, path: str, **fields: Any) -> None:
-        """Which way weights reach the searchers: said once per way."""
-        if path not in self._transfer_logged:
-            self._transfer_logged.add(path)
-            self.log_event("weight_transfer", path=path, **fields)
+    def _offer(self, i: int) -> Any:
+        if not self._published:
+            raise RuntimeError("publish weights before generating")
+        return self.transfer.offer(i)
 
     # ---------------------------------------------------------------------- synchronous mode
 
@@ -296,20 +232,20 @@ class RaySearchers(AsyncSearchers):
         }
 
     def _generate_call(self, i: int, num_prompts: int) -> tuple[Any, float]:
-        call = self.slots[i].handle.generate_batch.remote(num_prompts, *self._offer(self.slots[i]))
+        call = self.slots[i].handle.generate_batch.remote(num_prompts, self._offer(i))
         return call, time.time()
 
     # --------------------------------------------------------------------- asynchronous mode
 
     def start(self) -> None:
         self._running = True
-        for slot in self.slots:
-            self._start(slot)
+        for i in range(len(self.slots)):
+            self._start(i)
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, i: int) -> None:
         sc, tc = self.config.searchers, self.config.train
         per_batch = sc.prompts_per_batch or tc.num_prompts
-        slot.handle.start.remote(per_batch, sc.max_unsent_samples, *self._offer(slot))
+        self.slots[i].handle.start.remote(per_batch, sc.max_unsent_samples, self._offer(i))
 
     def collect(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
         """New samples of every searcher that answers; never waits on generation in flight."""
@@ -350,7 +286,7 @@ class RaySearchers(AsyncSearchers):
     def _handed_over(self, i: int, samples: list[Sample], report: dict) -> None:
         slot = self.slots[i]
         self._mark_ready(i, report)
-        self._note_transfer(i, report)
+        self.transfer.report(i, report)
         slot.handed += len(samples)
         slot.stream_taken = report["stream_taken"]
         self._reward_faults += report["reward_faults"]
@@ -445,13 +381,14 @@ class RaySearchers(AsyncSearchers):
         self._discarded += discarded or 0
         slot.incarnation += 1
         slot.handle = self._spawn(i, slot.incarnation, slot.stream_taken)
-        slot.ready, slot.pending, slot.handed, slot.transfer = False, None, 0, None
+        self.transfer.new_searcher(i)
+        slot.ready, slot.pending, slot.handed = False, None, 0
         self.log_event(
             "searcher_restarted", searcher=i, incarnation=slot.incarnation, reason=reason,
             discarded_in_flight=discarded,
         )  # fmt: skip
         if self._running:
-            self._start(slot)
+            self._start(i)
 
     def _kill(self, slot: _Slot) -> None:
         """Kill a searcher's process, its ledger closed first: `ray.kill` returns before the
@@ -479,11 +416,6 @@ class RaySearchers(AsyncSearchers):
                 f"{sc.num_cpus:g} CPU, {self.num_gpus:g} GPU)"
             )
 
-    def _latest_weights(self) -> tuple[int, int, Any]:
-        if self._weights is None:
-            raise RuntimeError("publish weights before generating")
-        return self._weights
-
     def close(self) -> None:
         """Stop every searcher; what they made but did not hand over is counted as discarded."""
         for slot in self.slots:
@@ -491,7 +423,4 @@ class RaySearchers(AsyncSearchers):
         for i, slot in enumerate(self.slots):
             generated = self.generated_by(i, slot.incarnation)
             self._discarded += max(0, (generated or 0) - slot.handed)
-        if self._hub is not None:
-            self._hub.close()
-        if self._buckets is not None:
-            self._buckets.close()
+        self.transfer.close()

@@ -106,8 +106,8 @@ class TrainerRank:
 
 
 class RankedTrainer(WeightVersions):
-    """`trainer.world_size` ranks behind the one-process trainer's interface: `step`,
-    `next_version`, `model`, `state_dict` (for a checkpoint: the ranks write their shards) and
+    """`trainer.world_size` ranks behind the one-process trainer's interface: `step`, `publish`
+    and `weights`, `model`, `state_dict` (for a checkpoint: the ranks write their shards) and
     `load_state_dict`. Needs a Ray session (`ray_cluster.ray_session`); `close` stops the
     ranks."""
 
@@ -172,10 +172,13 @@ class RankedTrainer(WeightVersions):
         self.skipped_steps += int(stats["skipped"])
         return stats
 
-    def next_version(self) -> tuple[dict[str, np.ndarray], int, int]:
+    trains_here = False  # the ranks train; `model` is this process's copy
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The weights as the ranks hold them now, gathered (this process's copy follows)."""
         weights = self._call("weights")[0]
         self._adopt(weights)
-        return weights, self._publish(), self.step_count
+        return weights
 
     @property
     def model(self) -> PreTrainedModel:

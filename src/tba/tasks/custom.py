@@ -31,6 +31,7 @@ from tba.evaluation import EvalSettings, score_completions
 from tba.rewards.models import RewardModel
 from tba.tasks.datasets import read_rows, sources
 from tba.templates import render, template_fields
+from tba.trust import untrusted
 
 
 def import_function(spec: str, key: str = "task.reward_funcs") -> Callable:
@@ -59,6 +60,66 @@ def import_function(spec: str, key: str = "task.reward_funcs") -> Callable:
     return function
 
 
+def code_target(spec: str) -> str | None:
+    """What importing `module:function` runs: a `.py` file, as an absolute path, or the module's
+    name (None for a spec that is not `module:function`, which `import_function` refuses)."""
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        return None
+    if module_name.endswith(".py"):
+        return str(Path(module_name).expanduser().resolve())
+    return module_name
+
+
+def is_code(spec: str) -> bool:
+    """Whether a reward spec names a function (`module:function`), not a reward model."""
+    return ":" in spec and not Path(spec).exists()
+
+
+def named_code(config: TaskConfig) -> dict[str, list[str]]:
+    """The code that building the task of `config` imports, and so runs (`code_target`), with
+    the keys that name it: the custom task's task.reward_funcs and task.eval_func, when its rows
+    come from the config (a task given in Python is not built from it)."""
+    if config.name != "custom" or (config.train_path is None and config.dataset is None):
+        return {}
+    specs = [("task.reward_funcs", spec) for spec in config.reward_funcs if is_code(spec)]
+    specs += [("task.eval_func", config.eval_func)] if config.eval_func else []
+    named: dict[str, list[str]] = {}
+    for key, spec in specs:
+        target = code_target(spec)
+        if target is not None and key not in named.setdefault(target, []):
+            named[target].append(key)
+    return named
+
+
+def check_run_code(
+    config: TaskConfig, recorded: TaskConfig, run_dir: Path, *, trusted: bool,
+    log: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Before building the task of `config` (a run's config, with overrides) for a run directory
+    read again (`tba eval`, `tba train --resume`): the code that its own config.yaml
+    (`recorded`) names runs only as this user's `tba train` recorded it there, or with
+    `trusted` (--trust-code; `tba.trust`). Code only the overrides name is the user's own. Each
+    file or module is said in one line before it is imported; refused, it is one line naming
+    them all (`ConfigError`)."""
+    own = named_code(recorded)
+    named = {target: keys for target, keys in named_code(config).items() if target in own}
+    doubtful = untrusted(run_dir, list(named))
+    if doubtful and not trusted:
+        listed = "; ".join(f"{_described(target)} ({', '.join(named[target])})"
+                           for target in doubtful)  # fmt: skip
+        raise ConfigError(f"{run_dir / 'config.yaml'} names code that your own `tba train` did "
+                          f"not record in this run directory, and that would run now: {listed}; "
+                          "if you trust it, add --trust-code (in Python: trust_code=True)")
+    for target, keys in named.items():
+        how = "trusted with --trust-code" if target in doubtful else "as this run recorded it"
+        log(f"importing {_described(target)} ({', '.join(keys)}), {how}")
+
+
+def _described(target: str) -> str:
+    return target if target.endswith(".py") else f"the module {target}"
+
+
 def reward_functions(
     specs: Iterable[str | RewardFn], *, device: str = "auto", batch_size: int = 32
 ) -> list[RewardFn]:
@@ -68,7 +129,7 @@ def reward_functions(
     for number, spec in enumerate(specs):
         if callable(spec):
             functions.append(spec)
-        elif ":" in spec and not Path(spec).exists():
+        elif is_code(spec):
             functions.append(import_function(spec))
         else:
             name = f"reward_model_{number}" if number else "reward_model"

@@ -106,9 +106,10 @@ def _tldr_task(
         "tokenizer_fallback": fallback,
     }
     assert config.reward_model is not None  # TaskConfig requires it for tldr
-    reward = RewardModel(config.reward_model, **options)
+    reward = RewardModel(config.reward_model, key="task.reward_model", **options)
     judge = (
-        RewardModel(config.eval_reward_model, name="eval_reward_model", **options)
+        RewardModel(config.eval_reward_model, name="eval_reward_model",
+                    key="task.eval_reward_model", **options)
         if config.eval_reward_model
         else reward
     )

@@ -146,14 +146,20 @@ def _one_line(error: BaseException) -> str:
 
 
 def require_fields(rows: list[dict], fields: list[str], source: Source) -> None:
-    """Every row has a value for every field; else one line naming the source and the row."""
+    """Every row has a value for every field, text that is not blank; else one line naming the
+    source, the row and the field (a blank field would make a prompt of nothing, or a blank gold
+    answer, trained on to the end without a word)."""
     for number, row in enumerate(rows, start=1):
         for field in fields:
-            if row.get(field) is None:
+            value = row.get(field)
+            if value is None:
                 present = ", ".join(k for k, v in row.items() if v is not None) or "none"
                 raise DatasetError(
                     f"{source.describe()}: row {number} has no {field!r} field (it has: {present})"
                 )
+            if isinstance(value, str) and not value.strip():
+                raise DatasetError(f"{source.describe()}: row {number}'s {field!r} is empty: "
+                                   "every row needs a value there")  # fmt: skip
 
 
 def task_rows(
