@@ -81,6 +81,9 @@ POSTS = {"train": 4096, "test": 512}
 NUM_EVAL = 256
 PROCESS = "process.json"
 
+# TRL's runner trains in fp32 on a CPU (as the user's script, `bf16=False`): so does tba here,
+# whatever `policy.dtype=auto` would pick on a CPU with native bf16.
+FP32 = ["policy.dtype=float32"]
 ASYNC = ["train.mode=async", "searchers.count=1"]
 SYNC = ["train.mode=sync", "searchers.count=0"]
 # A run's own evaluations (base and final) are outside its training clock but not free on two
@@ -252,8 +255,8 @@ def suites(args: argparse.Namespace) -> dict[str, dict[str, Method]]:
     """The SmolLM2 suites' methods (nothing is written: `run` writes the quickstart's posts)."""
     recipe = recipe_settings()
     return {
-        "smollm2-quickstart": three_ways(quickstart_settings(posts_dir())),
-        "smollm2-math": three_ways(recipe),
+        "smollm2-quickstart": three_ways([*quickstart_settings(posts_dir()), *FP32]),
+        "smollm2-math": three_ways([*recipe, *FP32]),
         "smollm2-sweep": {name: tba_method(label, recipe, [*ASYNC, *change])
                           for name, (label, change) in SWEEP.items()},  # fmt: skip
     }

@@ -97,8 +97,15 @@ def shm_too_small(needed: int) -> str | None:
         return None
     if free >= needed:
         return None
-    return (f"shared memory ({SHM}) has {free / 2**20:.0f} MiB free and the weight buckets need "
-            f"{needed / 2**20:.0f} MiB")  # fmt: skip
+    return (f"shared memory ({SHM}) has {_size(free)} free and the weight buckets need "
+            f"{_size(needed)}")  # fmt: skip
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} bytes"
 
 
 SHM_ADVICE = ("give the container more (`docker run --shm-size=...`, Kubernetes: an emptyDir "
