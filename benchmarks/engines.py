@@ -50,10 +50,11 @@ import torch
 import transformers
 from transformers import CompileConfig, Qwen2Config, Qwen2ForCausalLM
 
-from tba.config import LoraConfig, load_config
+from tba.config import LoraConfig, PolicyConfig, VllmEngineSettings, load_config
+from tba.config.engines import engine_settings
 from tba.errors import first_line
 from tba.policy.batching import left_pad
-from tba.policy.engines import BuiltinEngine, VllmEngine, VllmSettings
+from tba.policy.engines import ENGINES, VllmEngine
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import build_tiny_llama, get_weights, load_policy, set_weights
 from tba.policy.sampling import LoopSampler, StaticSampler
@@ -87,20 +88,25 @@ def kv_cache_gb(model, prompts: list[list[int]], max_new_tokens: int) -> float:
     return max(0.25, 2 * tokens * per_token / 2**30)
 
 
+def vllm_settings(model, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """vLLM's own settings here: a KV cache sized for the batch, the benchmark's dtype."""
+    return {"kv_cache_gb": kv_cache_gb(model, prompts, args.max_new_tokens), "dtype": args.dtype,
+            "enforce_eager": args.enforce_eager}  # fmt: skip
+
+
 def measure(args: argparse.Namespace) -> dict:
-    """One engine on one model, in this process."""
+    """One engine on one model, in this process, started as a searcher starts it."""
     device = torch.device(args.device)
     tokenizer = load_tokenizer(args.model_dir)
     prompts = batch(args.model_dir, args.num_prompts, args.group_size)
     start = time.time()
     lora = LoraConfig(r=args.lora_rank) if args.lora_rank else None
     model = load_policy(args.model_dir, device, dtype=args.dtype, lora=lora)
-    if args.engine == "vllm":
-        settings = VllmSettings(kv_cache_gb=kv_cache_gb(model, prompts, args.max_new_tokens),
-                                dtype=args.dtype, enforce_eager=args.enforce_eager)  # fmt: skip
-        engine = VllmEngine(args.model_dir, tokenizer.eos_token_id, seed=0, settings=settings)
-    else:
-        engine = BuiltinEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=0)
+    own = {"vllm": vllm_settings(model, prompts, args)}.get(args.measure, {})
+    engine = ENGINES[args.measure].start(
+        model, tokenizer, seed=0, model_dir=args.model_dir, policy=PolicyConfig(dtype=args.dtype),
+        settings=engine_settings({"type": args.measure, **own}),
+    )  # fmt: skip
     started = time.time() - start
 
     def generate() -> tuple[float, int]:
@@ -157,8 +163,7 @@ def measure_agreement(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(args.model_dir)
     prompts = batch(args.model_dir, args.num_prompts, args.group_size)
     model = load_policy(args.model_dir, device, dtype=args.dtype)
-    settings = VllmSettings(kv_cache_gb=kv_cache_gb(model, prompts, args.max_new_tokens),
-                            dtype=args.dtype, enforce_eager=args.enforce_eager)  # fmt: skip
+    settings = VllmEngineSettings(**vllm_settings(model, prompts, args))
     engine = VllmEngine(args.model_dir, tokenizer.eos_token_id, seed=0, settings=settings)
     before = gaps(engine, model, prompts, tokenizer.pad_token_id, args)
     torch.manual_seed(0)
@@ -268,7 +273,6 @@ def main() -> None:
         print_decode(args)
         return
     if args.measure:
-        args.engine = args.measure
         print(json.dumps(measure_agreement(args) if args.measure == "agreement" else measure(args)))
         return
     if args.agreement:

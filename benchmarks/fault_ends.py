@@ -58,12 +58,12 @@ def overwrite_then_fail(ws: Workspace, run: Path) -> tuple[int, str]:
 # The final policy's weights written, then the process killed, before its tokenizer is.
 KILLED_IN_THE_FINAL_SAVE = """
 import os, signal
-import tba.loop
-save = tba.loop.save_policy
+import tba.run
+save = tba.run.save_policy
 def save_policy(model, path):
     save(model, path)
     os.kill(os.getpid(), signal.SIGKILL)
-tba.loop.save_policy = save_policy
+tba.run.save_policy = save_policy
 """
 
 

@@ -27,7 +27,7 @@ from tba.policy.logprobs import token_logprobs
 from tba.policy.model import load_policy
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher
 from tba.tasks import load_task, resolve_policy
 from tba.trainer import Trainer, trainer_settings
 
@@ -132,7 +132,7 @@ def main() -> None:
     task = load_task(config.task, seed=config.seed)
     searcher = Searcher(
         load_policy(str(policy_dir), "cpu"), tokenizer, task.train_rows, task.reward_fns,
-        SearchSettings.from_config(config), seed=config.seed,
+        config, seed=config.seed,
     )  # fmt: skip
     batches = [to_groups(searcher.generate(config.train.num_prompts)[0])
                for _ in range(args.batches)]  # fmt: skip

@@ -47,7 +47,6 @@ from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_cluster import ray_session
 from tba.runtime.transfer import SenderPlace, open_chain
 from tba.runtime.transfer.buckets import BucketCache
-from tba.searcher import SearchSettings
 
 PATHS = ("object_store", "shared", "broadcast")
 
@@ -117,7 +116,6 @@ def run(small: bool, repeats: int, device_name: str) -> list[dict]:
     device = resolve_device(device_name)
     rows = []
     config = load_config(None, ["ray.num_cpus=2"])
-    settings = SearchSettings.from_config(load_config(None, ["policy.max_new_tokens=2"]))
     gpus = 0.5 if device.type == "cuda" else 0.0
     with ray_session(config), tempfile.TemporaryDirectory() as tmp:
         for shape in ("builtin", "qwen2.5-0.5b"):
@@ -127,10 +125,11 @@ def run(small: bool, repeats: int, device_name: str) -> list[dict]:
             build_char_tokenizer().save_pretrained(policy_dir)
             distinct = {t.data_ptr(): t for t in model.state_dict().values()}  # tied once
             size = sum(t.numel() * t.element_size() for t in distinct.values())
+            settings = load_config(None, ["policy.max_new_tokens=2", f"policy.dtype={dtype}"])
             for path in PATHS:
                 actor = ray.remote(SearcherActor).options(num_cpus=1, num_gpus=gpus).remote(
                     str(policy_dir), [{"prompt": "Q\n"}], [], settings, searcher_id=0, seed=0,
-                    device=device.type, num_threads=1, weights_timeout_s=600, dtype=dtype,
+                    device=device.type, num_threads=1, weights_timeout_s=600,
                 )  # fmt: skip
                 try:
                     result = measure(path, model, actor, repeats)

@@ -53,7 +53,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tba.policy.logprobs as logprobs_module
 from benchmarks.shapes import parameters, qwen_config, random_qwen
-from tba.config import LoraConfig, QuantizationConfig, TrainConfig
+from tba.config import LoraConfig, QuantizationConfig, RunConfig, TrainConfig
 from tba.core import Sample
 from tba.peak_memory import PeakMemory
 from tba.policy.activation_memory import ModelShape, activation_bytes, checkpointing_choice
@@ -68,7 +68,7 @@ from tba.policy.model import (
     resolve_device,
 )
 from tba.policy.tokenizer import build_char_tokenizer, load_tokenizer
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher
 from tba.tasks.math.task import math_task
 from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
@@ -138,11 +138,9 @@ def measure_searcher(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(args.model_dir)
     model = load_policy(args.model_dir, "cpu", dtype=args.dtype, lora=lora_config(args.rank),
                         quantization=QuantizationConfig(bits=args.bits))  # fmt: skip
-    settings = SearchSettings(
-        samples_per_prompt=args.group_size, temperature=1.0, max_new_tokens=args.length,
-        truncated="penalize", truncation_penalty=-1.0,
-    )  # fmt: skip
-    searcher = Searcher(model, tokenizer, task_rows(64), [last_number_reward], settings)
+    config = RunConfig(policy={"max_new_tokens": args.length},
+                       train={"group_size": args.group_size, "truncated": "penalize"})  # fmt: skip
+    searcher = Searcher(model, tokenizer, task_rows(64), [last_number_reward], config)
     searcher.generate(args.num_prompts)
     searcher.set_weights(load_file(args.payload), version=1, step=1)
     searcher.generate(args.num_prompts)

@@ -165,7 +165,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     ]
     if args.learning_rate is not None:
         flags.append(f"train.learning_rate={args.learning_rate}")
-    config = load_config(None, [*args.overrides, *flags])
+    # float32 as the TRL runs train (`auto` could pick bfloat16); an override may say otherwise.
+    config = load_config(None, ["policy.dtype=float32", *args.overrides, *flags])
     unsupported = {
         "train.beta_end (beta annealing)": config.train.beta_end is not None,
         "train.samples_per_prompt != group_size": config.train.samples_per_prompt

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tba.objectives import (
+    TokenBatch,
     dr_grpo_loss,
     grpo_loss,
     online_dpo_loss,
@@ -34,6 +35,11 @@ class Batch(NamedTuple):
     ref_logp: Tensor  # (N,)
     group_ids: Tensor  # (N,)
 
+    def tokens(self) -> TokenBatch:
+        """The batch as the losses take it."""
+        return TokenBatch(self.token_logp, self.mask, self.rewards, self.behaviour, self.ref_logp,
+                          self.group_ids)  # fmt: skip
+
 
 def make_batch(seed: int = 0, on_policy: bool = False) -> Batch:
     """Random float64 batch: unequal, shuffled, non-contiguous groups and random lengths >= 1."""
@@ -55,21 +61,11 @@ def make_batch(seed: int = 0, on_policy: bool = False) -> Batch:
 
 # Every loss called on a Batch, so that tests can be parametrised over them.
 LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "dr_grpo": lambda b, **kw: dr_grpo_loss(
-        b.token_logp, b.behaviour, b.mask, b.rewards, b.ref_logp, b.group_ids, **kw
-    ),
-    "grpo": lambda b, **kw: grpo_loss(
-        b.token_logp, b.behaviour, b.mask, b.rewards, b.ref_logp, b.group_ids, **kw
-    ),
-    "rloo": lambda b, **kw: rloo_loss(
-        b.token_logp, b.mask, b.rewards, b.ref_logp, b.group_ids, **kw
-    ),
-    "proximal_rloo": lambda b, **kw: proximal_rloo_loss(
-        b.token_logp, b.behaviour, b.mask, b.rewards, b.ref_logp, b.group_ids, **kw
-    ),
-    "online_dpo": lambda b, **kw: online_dpo_loss(
-        b.token_logp, b.mask, b.rewards, b.ref_logp, b.group_ids, **kw
-    ),
+    "dr_grpo": lambda b, **kw: dr_grpo_loss(b.tokens(), **kw),
+    "grpo": lambda b, **kw: grpo_loss(b.tokens(), **kw),
+    "rloo": lambda b, **kw: rloo_loss(b.tokens(), **kw),
+    "proximal_rloo": lambda b, **kw: proximal_rloo_loss(b.tokens(), **kw),
+    "online_dpo": lambda b, **kw: online_dpo_loss(b.tokens(), **kw),
 }
 
 
@@ -456,9 +452,8 @@ def test_tb_gradient_is_reinforce_with_mean_baseline() -> None:
         params,
         retain_graph=True,
     )
-    dr, _ = dr_grpo_loss(
-        token_logp, token_logp.detach(), b.mask, b.rewards, b.ref_logp, b.group_ids, beta=BETA
-    )
+    on_policy = b._replace(token_logp=token_logp, behaviour=token_logp.detach())
+    dr, _ = dr_grpo_loss(on_policy.tokens(), beta=BETA)
     dr_grads = torch.autograd.grad(dr, params)
     for g_tb, g_rf, g_dr in zip(tb, rf, dr_grads):
         assert g_rf.abs().max() > 1e-4

@@ -261,6 +261,17 @@ def test_cli_config_prints_yaml_with_the_override(capsys):
     assert RunConfig.model_validate(printed) == load_config(None, ["train.beta=0.25", "seed=11"])
 
 
+def test_a_first_setting_longer_than_a_file_name_may_be_is_a_setting(capsys):
+    """A first argument past the file system's 255-byte name limit is never a file (asking
+    whether it exists raises): read as the setting it is."""
+    long_name = "run-" + "x" * 300
+    assert main(["config", f"task.name={long_name}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tba: error: ") and "task.name" in err and err.count("\n") == 1
+    assert main(["config", f"output_dir=runs/{long_name}"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["output_dir"] == f"runs/{long_name}"
+
+
 def test_cli_config_reads_the_file_before_overrides(config_file, capsys):
     assert main(["config", str(config_file), "train.beta=0.2"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
@@ -367,7 +378,8 @@ def test_the_default_job_ends_by_its_time_on_any_device(path):
     config = load_config(path, [])
     assert config.train.max_minutes == 10
     assert step_limit(config.train, num_prompts=config.task.num_train) is None
-    assert config.eval.every is None and config.eval.every_minutes == 0.5
+    # Every half minute: `auto`'s marks for the embedded policy, whose evaluation takes seconds.
+    assert config.eval.every is None and config.eval.every_minutes == "auto"
     assert config.checkpoint.every is None and config.checkpoint.every_minutes == 5
 
 

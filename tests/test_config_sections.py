@@ -1,18 +1,23 @@
 """The objectives' own sections of `train` (`train.tb`, `train.ppo`, `train.vineppo`), the old
-names that keep working (`tba.config.aliases`), the named cross-setting rules and the one set of
+names that keep working (`tba.config.aliases`: the objectives' settings, and the vLLM engine's
+from before `searchers.engine` had settings), the named cross-setting rules and the one set of
 dotted-key helpers (`tba.keys`)."""
 
 from __future__ import annotations
 
 import pytest
+import yaml
+from pydantic import Field
 
 from tba import TBAConfig
 from tba.cli import main
 from tba.config import (
     ALIASES,
+    BuiltinEngineSettings,
     ConfigError,
     RunConfig,
     TrainConfig,
+    VllmEngineSettings,
     aliases,
     dump_config,
     load_config,
@@ -21,6 +26,8 @@ from tba.config.run import RUN_RULES
 from tba.config.task import TASK_RULES
 from tba.config.train import TRAIN_RULES
 from tba.keys import NotASection, flatten, get_key, has_key, pop_key, set_key
+from tba.objectives import OBJECTIVES, Objective
+from tba.section import Section
 
 MISMATCHES = [
     ("train.ppo.value_coef=0.3", "tb", "train.ppo.value_coef applies to train.loss=ppo, not "
@@ -102,6 +109,41 @@ def test_presets_set_an_objectives_settings_only_for_that_objective():
     rloo = load_config(None, ["task.name=redteam", "train.loss=rloo"]).train
     assert rloo.loss == "rloo" and rloo.tb == TrainConfig().tb  # no error, TB's defaults
     assert rloo.beta == 0.3  # the task's other presets still apply
+
+
+class WeightedSettings(Section):
+    """A made-up objective's own settings."""
+
+    value_weight: float = Field(1.0, gt=0, description="weight of a term of its loss")
+
+
+def test_an_objective_entered_since_has_its_own_section(tmp_path, monkeypatch):
+    """An objective entered in the registry after the config was made has its section
+    `train.<name>`, validated against the class its entry names, checked against the loss, and
+    dumped and loaded again like the others'."""
+    rloo = OBJECTIVES["rloo"]
+    monkeypatch.setitem(OBJECTIVES, "weighted", Objective(rloo.loss, rloo.needs, WeightedSettings))
+    config = load_config(None, ["train.loss=weighted", "train.weighted.value_weight=2.5"])
+    assert config.train.weighted == WeightedSettings(value_weight=2.5)
+    assert load_config(None, ["train.loss=weighted"]).train.weighted == WeightedSettings()
+    assert load_config(None, []).train.weighted == WeightedSettings()
+    assert RunConfig.model_validate(config.model_dump()) == config
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+    assert ("train.weighted.value_weight applies to train.loss=weighted, not train.loss=tb"
+            in one_line_error(overrides=["train.weighted.value_weight=2.5"]))  # fmt: skip
+    bad = ["train.loss=weighted", "train.weighted.value_weight=-1.0"]
+    assert one_line_error(overrides=bad).startswith("invalid value for train.weighted.value_weight")
+    unknown = ["train.loss=weighted", "train.weighted.weight=1.0"]
+    assert "train.weighted.weight: not a setting of train.weighted" in one_line_error(
+        overrides=unknown)  # fmt: skip
+
+
+def test_train_loss_names_an_objective_of_the_registry_as_it_is(monkeypatch):
+    assert "Input should be 'tb', 'dr_grpo'" in one_line_error(overrides=["train.loss=mine"])
+    monkeypatch.setitem(OBJECTIVES, "mine", OBJECTIVES["rloo"])
+    assert load_config(None, ["train.loss=mine"]).train.loss == "mine"
 
 
 # ---------------------------------------------------------------------------------- old names
@@ -186,6 +228,54 @@ def test_the_reference_lists_the_new_keys_and_the_renames(capsys):
     assert not set(ALIASES) & rows
     renames = page.split("## Renamed keys")[1]
     assert all(f"- `{old}` → `{new}`" in renames for old, new in ALIASES.items())
+
+
+def test_old_vllm_names_go_to_the_vllm_engines_section_with_a_notice(tmp_path, notices):
+    config = load_config(None, ["searchers.engine=vllm",
+                                "searchers.vllm.gpu_memory_utilization=0.5"])  # fmt: skip
+    assert config.searchers.engine.gpu_memory_utilization == 0.5
+    assert notices() == ["notice: searchers.vllm.gpu_memory_utilization is now "
+                         "searchers.engine.gpu_memory_utilization"]  # fmt: skip
+    path = tmp_path / "run.yaml"
+    path.write_text("searchers:\n  engine: vllm\n  vllm:\n    tensor_parallel_size: 2\n"
+                    "    enforce_eager: true\n")  # fmt: skip
+    engine = load_config(path).searchers.engine
+    assert engine.tensor_parallel_size == 2 and engine.enforce_eager
+    # An override by either name replaces the file's value.
+    again = load_config(path, ["searchers.engine.tensor_parallel_size=1"]).searchers.engine
+    assert again.tensor_parallel_size == 1 and again.enforce_eager
+    both = ["searchers.engine=vllm", "searchers.vllm.dtype=float16",
+            "searchers.engine.dtype=bfloat16"]  # fmt: skip
+    assert "searchers.vllm.dtype and searchers.engine.dtype are one setting" in one_line_error(
+        overrides=both)  # fmt: skip
+    bad_dtype = ["searchers.engine=vllm", "searchers.vllm.dtype=int8"]
+    assert one_line_error(overrides=bad_dtype).startswith(
+        "invalid value for searchers.engine.dtype")  # checked under the new name
+
+
+def old_run_config(engine: str, **vllm) -> dict:
+    """A run directory's config.yaml as runs wrote it before the engine's section: the engine a
+    name, and every vLLM setting under `searchers.vllm`, at its default or as `vllm` sets it."""
+    data = yaml.safe_load(dump_config(load_config(None, [])))
+    data["searchers"]["engine"] = engine
+    data["searchers"]["vllm"] = {"gpu_memory_utilization": 0.3, "kv_cache_gb": None,
+                                 "max_model_len": None, "dtype": "auto",
+                                 "tensor_parallel_size": 1, "enforce_eager": False} | vllm
+    return data
+
+
+def test_a_config_yaml_from_before_the_engines_section_loads_as_it_did(tmp_path):
+    """With the built-in engine its vLLM settings never had an effect: dropped, whatever their
+    values; with the vLLM engine they are its settings."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old_run_config("builtin", gpu_memory_utilization=0.9)))
+    assert load_config(path) == load_config(None, [])
+    path.write_text(yaml.safe_dump(old_run_config("vllm", kv_cache_gb=0.25)))
+    engine = load_config(path).searchers.engine
+    assert engine == VllmEngineSettings(kv_cache_gb=0.25)
+    assert load_config(None, ["searchers.vllm.enforce_eager=true"]).searchers.engine == (
+        BuiltinEngineSettings()
+    )
 
 
 # ------------------------------------------------------------------------- rules and helpers

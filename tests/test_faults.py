@@ -25,13 +25,13 @@ from test_train_e2e import FAST
 
 import tba.checkpoint
 import tba.locks
-import tba.loop
+import tba.run
 from benchmarks.faults import FAST as TINY_RUN
 from benchmarks.faults import Workspace
 from tba import TBAConfig, TBATrainer
 from tba.checkpoint import list_checkpoints, load_checkpoint
 from tba.cli import main
-from tba.config import TrainConfig, load_config
+from tba.config import RunConfig, TrainConfig, load_config
 from tba.core import Sample
 from tba.errors import ConfigError, RewardError
 from tba.evaluation import EvalFaults
@@ -42,7 +42,7 @@ from tba.rewards.scorer import RewardScorer
 from tba.run_dir import LOCK_FILE, RunBusyError, read_metrics
 from tba.runtime.placement import check_devices, searcher_gpus
 from tba.runtime.ray_cluster import ray_session
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher
 from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
 
@@ -149,10 +149,10 @@ def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
     def half_nan(prompts, completions, **_):
         return [math.nan if i % 2 else 1.0 for i in range(len(completions))]
 
-    settings = SearchSettings(samples_per_prompt=4, temperature=1.0, max_new_tokens=4,
-                              truncated="penalize", truncation_penalty=-1.0)  # fmt: skip
+    config = RunConfig(policy={"max_new_tokens": 4},
+                       train={"group_size": 4, "truncated": "penalize"})  # fmt: skip
     rows = [{"prompt": "Q1\n"}, {"prompt": "Q2\n"}]
-    searcher = Searcher(tiny_model, tokenizer, rows, [half_nan], settings)
+    searcher = Searcher(tiny_model, tokenizer, rows, [half_nan], config)
     truncated = [False, False, False, False, False, True, False, False]
     out = Generation([[1]] * 8, [0.0] * 8, [[0.0]] * 8, truncated)
     _, totals, dropped = searcher._score([0] * 4 + [1] * 4, ["1"] * 8, out)
@@ -172,14 +172,14 @@ def test_the_searcher_drops_and_counts_faulty_rewards(tiny_model, tokenizer):
 
 def _with_reward(monkeypatch, fn) -> None:
     """The run's task gains reward function `fn` next to its own."""
-    original = tba.loop.load_task
+    original = tba.run.load_task
 
     def load_task(*args, **kwargs):
         task = original(*args, **kwargs)
         task.reward_fns = [*task.reward_fns, fn]
         return task
 
-    monkeypatch.setattr(tba.loop, "load_task", load_task)
+    monkeypatch.setattr(tba.run, "load_task", load_task)
 
 
 def test_a_run_survives_a_flaky_reward_function(tmp_path, monkeypatch):
@@ -664,7 +664,7 @@ def test_a_refused_resume_builds_no_task_world(workspace, tmp_path, monkeypatch,
     def load_task(*args, **kwargs):
         raise AssertionError("the task was loaded before the checkpoint was checked")
 
-    monkeypatch.setattr(tba.loop, "load_task", load_task)
+    monkeypatch.setattr(tba.run, "load_task", load_task)
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir), "task.num_train=3"]) == 2
     assert "task.num_train=5000 (this run: 3); a checkpoint" in capsys.readouterr().err

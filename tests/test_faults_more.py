@@ -41,7 +41,7 @@ from tba.checkpoint import check_compatible
 from tba.cli import main
 from tba.errors import CheckpointError, ConfigError, DatasetError, RewardError
 from tba.locks import FileLock, Locked
-from tba.objectives.schedules import LRSchedule, lr_factor
+from tba.lr_schedule import LRSchedule, lr_factor
 from tba.rewards.scorer import RewardScorer
 from tba.run_dir import LOCK_FILE, RunBusyError, read_metrics
 
@@ -378,6 +378,21 @@ def test_an_empty_prompt_cell_is_said_to_be_empty(workspace, tmp_path, capsys):
                    train_dataset=[{"prompt": "Q1"}, {"prompt": None}])  # fmt: skip
 
 
+def test_an_empty_text_prompt_is_refused_as_an_empty_cell_is(workspace, tmp_path, capsys):
+    """A prompt of "" (JSON, a Python list of rows): trained on, it would have been nothing but
+    the chat template; every prompt empty trained to the end without a word."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "Q1", "answer": "1"}\n{"prompt": "  ", "answer": "2"}\n')
+    status, lines = tba(["train", *FAST, *workspace.task(), f"task.train_path={data}",
+                         f"output_dir={tmp_path / 'run'}"], capsys)  # fmt: skip
+    assert status == 2 and lines == [f"tba: error: {data}: row 2's `prompt` is empty: every row "
+                                     "needs a prompt (text or a conversation)"], lines
+    config = TBAConfig.from_overrides([*FAST, f"output_dir={tmp_path / 'api'}"])
+    with pytest.raises(DatasetError, match="row 1's `prompt` is empty"):
+        TBATrainer(str(workspace.policy), works, args=config,
+                   train_dataset=[{"prompt": ""}, {"prompt": ""}])  # fmt: skip
+
+
 # ------------------------------------------------------------------- 9e. the README's example
 
 
@@ -389,7 +404,7 @@ def test_the_readme_evaluates_a_directory_a_default_run_makes():
     assert examples and all(default.search(line) for line in examples)
     assert default.fullmatch("runs/" + time.strftime("%Y%m%d-%H%M%S"))
     assert 'Path("runs") / time.strftime("%Y%m%d-%H%M%S")' in (
-        ROOT / "src" / "tba" / "run_dir.py").read_text()  # fmt: skip
+        ROOT / "src" / "tba" / "run_dir" / "create.py").read_text()  # fmt: skip
 
 
 def test_a_trl_batch_of_single_completions_with_ppo_names_the_scripts_arguments():

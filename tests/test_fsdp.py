@@ -67,9 +67,10 @@ def start_log_z(trainer, case: str) -> None:
     start its bias's gradient is zero in exact arithmetic, and Adam turns the rounding of a mean
     summed in another order (all-reduced over ranks) into a step of +-log_z_lr of either sign."""
     if case == "learned_log_z":
+        log_z = trainer.providers["learned_log_z"]
         with torch.no_grad():
-            trainer.log_z_head.head.bias.fill_(-8.0)
-        trainer.log_z_head.ready = True
+            log_z.head.bias.fill_(-8.0)
+        log_z.ready = True
 
 
 def train_steps(trainer, steps: range, rank: int | None = None, world: int = 1) -> list[dict]:

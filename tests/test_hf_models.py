@@ -24,7 +24,7 @@ from tiny_models import build_model, task_texts, teach_to_stop, train_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from tba.cli import main
-from tba.config import ConfigError, LoraConfig, TrainConfig, load_config
+from tba.config import ConfigError, LoraConfig, RunConfig, TrainConfig, load_config
 from tba.core import Sample
 from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import (
@@ -37,7 +37,7 @@ from tba.policy.model import (
 )
 from tba.policy.tokenizer import encode_prompts, load_tokenizer
 from tba.run_dir import read_metrics
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher
 from tba.tasks.verifiers.last_number import last_number_reward
 from tba.trainer import Trainer
 
@@ -403,10 +403,10 @@ def lora_pair(model_dirs):
     base_before = {n: t.clone() for n, t in trainer.model.state_dict().items() if "lora_" not in n}
     trainer.step([group_of(tokenizer, 0, "Ann has 3 pens.\n", [1.0, 0.0, 0.5, 0.0])], beta=0.1)
     rows = [{"prompt": "Ann has 3 pens.\n", "answer": "3"}]
-    settings = SearchSettings(samples_per_prompt=4, temperature=1.0, max_new_tokens=6,
-                              truncated="penalize", truncation_penalty=-1.0)  # fmt: skip
+    config = RunConfig(policy={"max_new_tokens": 6},
+                       train={"group_size": 4, "truncated": "penalize"})  # fmt: skip
     searcher = Searcher(load_policy(path, "cpu", lora=lora), tokenizer, rows,
-                        [last_number_reward], settings)  # fmt: skip
+                        [last_number_reward], config)  # fmt: skip
     return trainer, searcher, base_before, tokenizer
 
 

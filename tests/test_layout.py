@@ -51,7 +51,7 @@ def test_the_command_line_and_the_package_import_without_the_training_libraries(
 
 
 def test_everything_but_the_searcher_processes_imports_without_ray():
-    code = ("import sys, tba, tba.cli, tba.loop, tba.runtime.launch; "
+    code = ("import sys, tba, tba.cli, tba.run, tba.runtime.launch; "
             "print('ray' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

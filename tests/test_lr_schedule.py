@@ -1,4 +1,4 @@
-"""The learning rate's warmup and decay (`tba.objectives.schedules.lr_factor`) against float64
+"""The learning rate's warmup and decay (`tba.lr_schedule.lr_factor`) against float64
 references and transformers' own schedules, and AdamW's decoupled weight decay: matrices decay,
 biases and norm weights do not, as in transformers' Trainer."""
 
@@ -11,7 +11,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from tba.config import TrainConfig
-from tba.objectives.schedules import lr_factor, warmup_steps_for
+from tba.lr_schedule import lr_factor, warmup_steps_for
 from tba.trainer import Trainer, decay_groups
 
 

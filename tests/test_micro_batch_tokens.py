@@ -21,8 +21,9 @@ from tba.policy import chunked_logprobs
 from tba.policy import logprobs as logprobs_module
 from tba.policy.batching import first_fit_decreasing, pack_rows, padded_positions
 from tba.policy.logprobs import packs_rows, token_logprobs_and_states
+from tba.policy.micro_batches import micro_batch_runs
 from tba.policy.model import add_lora, build_tiny_llama, disable_dropout, enable_checkpointing
-from tba.trainer import Trainer, micro_batch_runs
+from tba.trainer import Trainer
 
 VOCAB = 40
 # Each group's response lengths: mixed, so that padded rows are mostly padding.
@@ -85,10 +86,10 @@ def stepped(settings: dict, budget: int | None, *, lora: bool = False,
     config = TrainConfig(learning_rate=1e-3, max_grad_norm=1e6, micro_batch_tokens=budget,
                          **settings)  # fmt: skip
     trainer = Trainer(model.train(), config, pad_id=0, temperature=0.9)
-    if trainer.critic is not None:  # a head whose gradient reaches the policy's states
+    if "critic" in trainer.providers:  # a head whose gradient reaches the policy's states
         with torch.no_grad():
-            trainer.critic.head.weight.fill_(0.05)
-            trainer.critic.head.bias.fill_(0.1)
+            trainer.providers["critic"].critic.head.weight.fill_(0.05)
+            trainer.providers["critic"].critic.head.bias.fill_(0.1)
     groups = mixed_batch()
     if context:  # each group's first two trained, the others in its statistics only
         stats = trainer.step([g[:2] for g in groups], beta=0.1, context=[g[2:] for g in groups])
@@ -98,12 +99,12 @@ def stepped(settings: dict, budget: int | None, *, lora: bool = False,
 
 
 def gradients(trainer: Trainer) -> list[torch.Tensor]:
-    """Every gradient the step left: the policy's, a learned log Z's, the critic's."""
+    """Every gradient the step left: the policy's, then its needs' providers' (a learned log
+    Z's, the critic's)."""
     params = list(trainer.model.parameters())
-    if trainer.log_z_head is not None:
-        params += list(trainer.log_z_head.parameters())
-    if trainer.critic is not None:
-        params += [p for p in trainer.critic.parameters() if p not in set(params)]
+    for provider in trainer.providers.values():
+        params += [p for group in provider.groups for p in group["params"]
+                   if p not in set(params)]  # fmt: skip
     return [p.grad for p in params if p.grad is not None]
 
 

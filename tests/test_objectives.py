@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tba.objectives import BetaSchedule, group_mean, tb_loss, tb_trust_region_loss
+from tba.objectives import BetaSchedule, TokenBatch, group_mean, tb_loss, tb_trust_region_loss
 
 BETA = 0.5
 GROUP_SIZES = {7: 3, 3: 5, 100: 2, 42: 4}
@@ -187,6 +187,13 @@ def make_token_batch(seed: int, on_policy: bool) -> tuple[Tensor, ...]:
     return token_logp, behaviour, mask, rewards, ref_logp, group_ids
 
 
+def tokens(token_logp: Tensor, behaviour: Tensor, mask: Tensor, rewards: Tensor,
+           ref_logp: Tensor, group_ids: Tensor) -> TokenBatch:  # fmt: skip
+    """A batch of `make_token_batch`'s tensors as the losses take it."""
+    return TokenBatch(token_logp, mask, rewards, behaviour_token_logp=behaviour,
+                      ref_logp=ref_logp, group_ids=group_ids)  # fmt: skip
+
+
 def reference_trust_region(
     batch: tuple[Tensor, ...], level: str, eps: float
 ) -> tuple[float, float]:
@@ -219,7 +226,7 @@ def reference_trust_region(
 @pytest.mark.parametrize("level", ["sequence", "token"])
 def test_trust_region_matches_float64_loop_reference(level: str) -> None:
     batch = make_token_batch(seed=11, on_policy=False)
-    loss, stats = tb_trust_region_loss(*batch, beta=BETA, clip_eps=0.1, level=level)
+    loss, stats = tb_trust_region_loss(tokens(*batch), beta=BETA, clip_eps=0.1, level=level)
     ref_loss, ref_clip_frac = reference_trust_region(batch, level, eps=0.1)
     assert loss.dtype == torch.float32 and loss.requires_grad
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
@@ -231,7 +238,7 @@ def test_trust_region_matches_float64_loop_reference(level: str) -> None:
 def test_trust_region_on_policy_gives_the_plain_tb_gradient(level: str) -> None:
     token_logp, behaviour, mask, rewards, ref_logp, group_ids = make_token_batch(12, True)
     loss, stats = tb_trust_region_loss(
-        token_logp, behaviour, mask, rewards, ref_logp, group_ids, beta=BETA, level=level
+        tokens(token_logp, behaviour, mask, rewards, ref_logp, group_ids), beta=BETA, level=level
     )
     loss.backward()
     leaf = token_logp.detach().nan_to_num(0.0).requires_grad_(True)
@@ -250,7 +257,7 @@ def test_sequences_pushed_out_of_the_band_get_no_gradient() -> None:
     behaviour = behaviour.clone()
     behaviour[:, 0] -= rho.log()  # the whole sequence log-ratio sits on the first token
     loss, stats = tb_trust_region_loss(
-        token_logp, behaviour, mask, rewards, ref_logp, group_ids, beta=BETA, clip_eps=0.2
+        tokens(token_logp, behaviour, mask, rewards, ref_logp, group_ids), beta=BETA, clip_eps=0.2
     )
     loss.backward()
     logp = (token_logp.detach().nan_to_num(0.0) * mask).sum(dim=1)
@@ -266,7 +273,7 @@ def test_sequences_pushed_out_of_the_band_get_no_gradient() -> None:
 def test_trust_region_level_is_checked() -> None:
     batch = make_token_batch(seed=15, on_policy=True)
     with pytest.raises(ValueError, match="level"):
-        tb_trust_region_loss(*batch, beta=BETA, level="batch")
+        tb_trust_region_loss(tokens(*batch), beta=BETA, level="batch")
 
 
 def test_learned_log_z_gets_the_residual_as_gradient_and_allows_groups_of_one() -> None:
@@ -287,7 +294,7 @@ def test_trust_region_trains_a_learned_log_z_without_moving_the_advantage() -> N
     token_logp, behaviour, mask, rewards, ref_logp, group_ids = make_token_batch(17, True)
     log_z = torch.zeros(group_ids.numel(), dtype=torch.float64, requires_grad=True)
     loss, stats = tb_trust_region_loss(
-        token_logp, behaviour, mask, rewards, ref_logp, group_ids, beta=BETA, log_z=log_z
+        tokens(token_logp, behaviour, mask, rewards, ref_logp, group_ids), beta=BETA, log_z=log_z
     )
     loss.backward()
     logp = (token_logp.detach().nan_to_num(0.0) * mask).sum(dim=1)

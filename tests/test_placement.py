@@ -15,7 +15,6 @@ from tba.errors import ConfigError
 from tba.policy.model import resolve_device
 from tba.runtime.placement import (
     check_devices,
-    engine_gpus,
     local_ray_gpus,
     ray_gpus_needed,
     same_device,
@@ -177,21 +176,23 @@ def test_trainer_ranks_that_take_every_gpu_leave_the_searchers_a_line(monkeypatc
 @pytest.mark.parametrize(("gpus", "count", "fits"), [(8, 3, True), (4, 1, True), (4, 2, False),
                                                      (2, 1, False)])  # fmt: skip
 def test_a_vllm_searcher_reserves_its_tensor_parallel_gpus(monkeypatch, gpus, count, fits):
-    """`searchers.vllm.tensor_parallel_size=2`: two whole GPUs each, never a share."""
+    """`searchers.engine.tensor_parallel_size=2`: two whole GPUs each, never a share."""
     fake_cuda(monkeypatch, gpus=gpus, current=None)
     settings = [f"searchers.count={count}", "searchers.engine=vllm",
-                "searchers.vllm.tensor_parallel_size=2", "searchers.device=cuda:1"]  # fmt: skip
+                "searchers.engine.tensor_parallel_size=2", "searchers.device=cuda:1"]  # fmt: skip
     config = load_config(None, settings)  # cuda:1: the engine's second GPU, which it sees
-    assert engine_gpus(config) == 2
+    assert config.searchers.engine.gpus() == 2
     if fits:
         assert searcher_gpus(config) == (2.0, f"2 of the {gpus - 1} GPU(s) the trainer leaves, "
                                               "each")  # fmt: skip
         assert ray_gpus_needed(config) == 2 * count
         check_devices(config)
     else:
-        with pytest.raises(ConfigError, match=rf"{count} searcher\(s\) with searchers.vllm."
-                           rf"tensor_parallel_size=2 need {2 * count} whole GPUs, and the "
-                           rf"trainer leaves {gpus - 1}"):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"{count} searcher\(s\) whose engines span 2 GPUs "
+                           rf"each need {2 * count} whole GPUs, and the trainer leaves "
+                           rf"{gpus - 1} of this machine's \(searchers.engine.tensor_parallel_"
+                           rf"size=2\); set searchers.count, searchers.engine.tensor_parallel_"
+                           rf"size or trainer.world_size"):  # fmt: skip
             check_devices(config)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 needs searchers.num_gpus >= 2"):
         load_config(None, [*settings, "searchers.num_gpus=1"])

@@ -15,22 +15,23 @@ from test_train_e2e import FAST
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tba import trainer as trainer_module
+from tba import needs as needs_module
 from tba.buffer import ReplayBuffer
 from tba.checkpoint import latest_checkpoint, save_checkpoint
 from tba.cli import main
-from tba.config import TrainConfig, VinePPOSettings
+from tba.config import RunConfig, TrainConfig, VinePPOSettings
 from tba.core import Sample
-from tba.objectives import OBJECTIVES, gae, ppo_loss, vine_advantages, vineppo_loss
+from tba.objectives import OBJECTIVES, TokenBatch, gae, ppo_loss, vine_advantages, vineppo_loss
 from tba.objectives.ppo import clipped_value_loss, explained_variance, token_rewards, whiten
 from tba.objectives.vineppo import reward_to_go, step_index
 from tba.policy.model import frozen_copy
 from tba.policy.sampling import Generation
+from tba.policy.values import Critic
 from tba.run_dir import read_metrics, samples_consumed
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher
 from tba.tasks.math import world
 from tba.trainer import Trainer
-from tba.vine import StepSplitter, ValueEstimator, evenly_spaced
+from tba.vine_values import StepSplitter, ValueEstimator, evenly_spaced
 
 LENGTHS = [5, 1, 3, 7, 2]
 T_MAX = 7
@@ -138,6 +139,14 @@ def ppo_batch(seed: int = 0, width: int = T_MAX) -> dict[str, torch.Tensor]:
     }
 
 
+def ppo_args(b: dict[str, torch.Tensor]) -> tuple[TokenBatch, torch.Tensor]:
+    """`ppo_batch`'s tensors as `ppo_loss` takes them: the batch, and the critic's values."""
+    batch = TokenBatch(b["token_logp"], b["mask"], b["rewards"],
+                       behaviour_token_logp=b["behaviour_token_logp"],
+                       ref_token_logp=b["ref_token_logp"])  # fmt: skip
+    return batch, b["values"]
+
+
 def reference_ppo(b, beta: float, lam: float, clip_eps: float, coef: float) -> float:
     """The PPO loss, token by token in Python floats."""
     n = len(LENGTHS)
@@ -166,7 +175,7 @@ def reference_ppo(b, beta: float, lam: float, clip_eps: float, coef: float) -> f
 def test_ppo_loss_matches_a_float64_loop_and_ignores_padding_columns():
     kwargs = dict(beta=0.1, clip_eps=0.2, gae_lambda=0.9, value_clip=0.2, value_coef=0.5)
     b = ppo_batch()
-    loss, stats = ppo_loss(**b, **kwargs)
+    loss, stats = ppo_loss(*ppo_args(b), **kwargs)
     assert loss.item() == pytest.approx(reference_ppo(b, 0.1, 0.9, 0.2, 0.5), rel=1e-5)
     assert 0 < stats["clip_frac"] < 1 and stats["value_clip_frac"] == 0
     loss.backward()
@@ -177,7 +186,7 @@ def test_ppo_loss_matches_a_float64_loop_and_ignores_padding_columns():
     wide["mask"] = torch.cat([b["mask"], torch.zeros(len(LENGTHS), 3, dtype=torch.bool)], 1)
     for name in ("token_logp", "values"):
         wide[name].requires_grad_(True)
-    wide_loss, _ = ppo_loss(**wide, **kwargs)
+    wide_loss, _ = ppo_loss(*ppo_args(wide), **kwargs)
     wide_loss.backward()
     assert wide_loss.item() == pytest.approx(loss.item(), rel=1e-6)
     for name in ("token_logp", "values"):
@@ -190,7 +199,7 @@ def test_ppo_gradients_on_policy_are_the_whitened_advantages_and_the_value_error
     b = ppo_batch(seed=3)
     b["behaviour_token_logp"] = b["token_logp"].detach().clone()
     mask, n = b["mask"], len(LENGTHS)
-    loss, stats = ppo_loss(**b, beta=0.05, gae_lambda=0.95, value_coef=0.25)
+    loss, stats = ppo_loss(*ppo_args(b), beta=0.05, gae_lambda=0.95, value_coef=0.25)
     loss.backward()
     kl = (b["token_logp"].detach() - b["ref_token_logp"]).masked_fill(~mask, 0.0)
     rewards = token_rewards(b["rewards"], kl, mask, 0.05)
@@ -210,12 +219,13 @@ def test_gae_and_the_value_clip_use_the_stored_old_values():
     mask, n = b["mask"], len(LENGTHS)
     kwargs = dict(beta=0.05, gae_lambda=0.95, value_clip=0.2, value_coef=0.5)
     # A first use (V_old = V, detached): the same as no stored values, and the clip cannot bind.
-    plain, plain_stats = ppo_loss(**b, **kwargs)
-    first, first_stats = ppo_loss(**b, **kwargs, old_values=b["values"].detach().clone())
+    plain, plain_stats = ppo_loss(*ppo_args(b), **kwargs)
+    first, first_stats = ppo_loss(*ppo_args(b), **kwargs,
+                                  old_values=b["values"].detach().clone())  # fmt: skip
     assert first.item() == plain.item() and first_stats["value_clip_frac"] == 0
     # A later use: the critic moved by 1 since V_old, five times the clip.
     old = (b["values"].detach() + 1.0).masked_fill(~mask, 7.0)  # padding ignored
-    loss, stats = ppo_loss(**b, **kwargs, old_values=old)
+    loss, stats = ppo_loss(*ppo_args(b), **kwargs, old_values=old)
     assert stats["value_clip_frac"] > 0
     kl = (b["token_logp"].detach() - b["ref_token_logp"]).masked_fill(~mask, 0.0)
     advantages, returns = gae(token_rewards(b["rewards"], kl, mask, 0.05), old, mask, 1.0, 0.95)
@@ -263,8 +273,8 @@ def test_vineppo_loss_gives_each_token_its_step_advantage_and_the_kl_to_go():
     mask = b["mask"]
     b["behaviour_token_logp"] = b["token_logp"].detach().clone()
     step_advantages = torch.randn(mask.shape, dtype=torch.float64).masked_fill(~mask, math.nan)
-    loss, _ = vineppo_loss(b["token_logp"], b["behaviour_token_logp"], mask, step_advantages,
-                           b["ref_token_logp"], beta=0.1)  # fmt: skip
+    batch, _ = ppo_args(b)
+    loss, _ = vineppo_loss(batch, step_advantages, beta=0.1)
     loss.backward()
     kl = (b["token_logp"].detach() - b["ref_token_logp"]).masked_fill(~mask, 0.0)
     expected = -(step_advantages - 0.1 * reward_to_go(kl, mask)) / len(LENGTHS)
@@ -417,15 +427,17 @@ def ends_with_answer(prompts, completions, answer, **columns):
     return [float(c.strip().endswith(a)) for c, a in zip(completions, answer)]
 
 
-def searcher_settings(**overrides) -> SearchSettings:
-    values = dict(samples_per_prompt=4, temperature=1.0, max_new_tokens=8, truncated="score",
-                  truncation_penalty=-1.0, token_ref_logps=True)  # fmt: skip
-    return SearchSettings(**(values | overrides))
+def searcher_config(loss: str = "ppo", **vineppo) -> RunConfig:
+    """Groups of 4 responses of up to 8 tokens for `loss`: PPO's and VinePPO's searchers keep
+    each token's reference log-prob, VinePPO's also estimate step values (`vineppo`: its
+    settings)."""
+    return RunConfig(policy={"max_new_tokens": 8}, train={"group_size": 4, "truncated": "score",
+                                                          "loss": loss, "vineppo": vineppo})
 
 
 def test_vineppo_searcher_samples_carry_values_and_their_cost(tiny_model, tokenizer):
-    settings = searcher_settings(vine=VinePPOSettings(rollouts=3, delimiter="1"))
-    searcher = Searcher(tiny_model, tokenizer, ROWS, [ends_with_answer], settings, seed=0)
+    config = searcher_config("vineppo", rollouts=3, delimiter="1")
+    searcher = Searcher(tiny_model, tokenizer, ROWS, [ends_with_answer], config, seed=0)
     samples, stats = searcher.generate(num_prompts=2)
     assert samples and all(s.step_values is not None for s in samples)
     for s in samples:
@@ -443,13 +455,18 @@ def trainer(model, tokenizer, **settings) -> Trainer:
                    pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
 
 
+def critic(trainer: Trainer) -> Critic:
+    """The critic a PPO trainer learns (its provider of `Needs.critic`)."""
+    return trainer.providers["critic"].critic
+
+
 @pytest.mark.parametrize(("loss", "value_model"),
                          [("ppo", "head"), ("ppo", "critic"), ("vineppo", "head")])  # fmt: skip
 def test_a_step_then_a_checkpoint_continues_exactly(tmp_path, tiny_model, tokenizer, loss,
                                                     value_model):  # fmt: skip
-    vine = VinePPOSettings(rollouts=2, delimiter="1") if loss == "vineppo" else None
+    vine = {"rollouts": 2, "delimiter": "1"} if loss == "vineppo" else {}
     searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [ends_with_answer],
-                        searcher_settings(vine=vine), seed=0)  # fmt: skip
+                        searcher_config(loss, **vine), seed=0)  # fmt: skip
     samples, _ = searcher.generate(num_prompts=2)
     for s in samples[::3]:  # rewards of both kinds, for advantages that are not all zero
         s.reward = 1.0
@@ -465,7 +482,7 @@ def test_a_step_then_a_checkpoint_continues_exactly(tmp_path, tiny_model, tokeni
                                            if k != "explained_variance")  # fmt: skip
     assert before["grad_norm"] > 0
     if loss == "ppo":  # the head learned from the value loss
-        assert first.critic.head.weight.abs().sum() > 0
+        assert critic(first).head.weight.abs().sum() > 0
     # PPO's V_old, stored with each sample at its first use, travels with the buffer.
     assert all((s.old_values is not None) == (loss == "ppo") for s in samples)
     state = {"trainer": first.state_dict(), "buffer": buffer.state_dict()}
@@ -487,14 +504,14 @@ def test_a_step_then_a_checkpoint_continues_exactly(tmp_path, tiny_model, tokeni
     for p, q in zip(first.model.parameters(), second.model.parameters()):
         assert torch.equal(p, q)
     if loss == "ppo":
-        for p, q in zip(first.critic.parameters(), second.critic.parameters()):
+        for p, q in zip(critic(first).parameters(), critic(second).parameters()):
             assert torch.equal(p, q)
 
 
 def searcher_groups(model, tokenizer, seed: int = 0) -> tuple[list, list[list]]:
     """Two prompts' samples from a searcher on `model`, rewards of both kinds, and their groups."""
     searcher = Searcher(frozen_copy(model), tokenizer, ROWS, [ends_with_answer],
-                        searcher_settings(), seed=seed)  # fmt: skip
+                        searcher_config(), seed=seed)  # fmt: skip
     samples, _ = searcher.generate(num_prompts=2)
     for s in samples[seed % 3 :: 3]:
         s.reward = 1.0
@@ -508,7 +525,7 @@ def test_a_sample_trained_again_keeps_the_old_values_of_its_first_use(tiny_model
     buffer.add(samples)
     ppo = trainer(tiny_model, tokenizer, loss="ppo")
     with torch.no_grad():  # a critic whose values are not all 0 from the start
-        ppo.critic.head.bias.fill_(0.3)
+        critic(ppo).head.bias.fill_(0.3)
     rng = np.random.default_rng(0)
     uses: dict[int, list] = {}  # id(sample) -> the old values each use saw
     value_means = []
@@ -540,15 +557,15 @@ def test_a_first_use_trains_exactly_as_without_stored_values(tiny_model, tokeniz
     copies = [[[Sample.from_dict(s.to_dict()) for s in g] for g in groups] for groups in batches]
     stored = trainer(tiny_model, tokenizer, loss="ppo")
     with_stored = [stored.step(groups, beta=0.1) for groups in batches]
-    monkeypatch.setattr(trainer_module, "store_old_values", lambda samples, values: None)
+    monkeypatch.setattr(needs_module, "store_old_values", lambda samples, values: None)
     plain = trainer(tiny_model, tokenizer, loss="ppo")
     without = [plain.step(groups, beta=0.1) for groups in copies]
     assert all(s.old_values is None for groups in copies for g in groups for s in g)
     for a, b in zip(with_stored, without):
         for key in a.keys() - {"train_seconds", "train_tokens_per_s"}:
             assert a[key] == b[key] or (math.isnan(a[key]) and math.isnan(b[key])), key
-    for p, q in zip([*stored.model.parameters(), *stored.critic.parameters()],
-                    [*plain.model.parameters(), *plain.critic.parameters()]):  # fmt: skip
+    for p, q in zip([*stored.model.parameters(), *critic(stored).parameters()],
+                    [*plain.model.parameters(), *critic(plain).parameters()]):  # fmt: skip
         assert torch.equal(p, q)
 
 
@@ -557,7 +574,7 @@ def test_a_separate_critic_trains_at_its_own_rate(tiny_model, tokenizer):
     for critic_lr in (None, 3e-4):
         ppo = trainer(tiny_model, tokenizer, loss="ppo",
                       ppo={"value_model": "critic", "critic_lr": critic_lr})  # fmt: skip
-        rates[critic_lr] = [group["lr"] for group in ppo.critic.groups]
+        rates[critic_lr] = [group["lr"] for group in critic(ppo).groups]
     assert rates == {None: [1e-2, 1e-3], 3e-4: [3e-4, 1e-3]}  # [critic LM, head]
 
 

@@ -144,7 +144,7 @@ def test_a_quantized_base_needs_adapters_and_bitsandbytes(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="quantization.bits=8 needs bitsandbytes: pip install"):
         check_quantization(load_config(None, ["quantization.bits=8", "lora.r=8"]))
-    with pytest.raises(ConfigError, match="the searchers' vLLM engine takes full weights"):
+    with pytest.raises(ConfigError, match="the searchers' vllm engine takes full weights"):
         load_config(None, ["quantization.bits=4", "lora.r=8", "searchers.engine=vllm"])
 
 

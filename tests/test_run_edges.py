@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import tba.loop
 import tba.offline_eval
 import tba.plots
+import tba.run
 from benchmarks.faults import FAST as TINY_RUN
 from benchmarks.faults import Workspace
 from tba import TBAConfig, TBATrainer
@@ -175,12 +175,12 @@ def test_an_end_cut_short_by_a_full_disk_is_finished_by_resuming_through_the_api
     workspace, tmp_path, monkeypatch, capsys
 ):  # fmt: skip
     run_dir = tmp_path / "run"
-    save_policy = tba.loop.save_policy
+    save_policy = tba.run.save_policy
 
     def full_disk(model, path):
         raise NO_SPACE
 
-    monkeypatch.setattr(tba.loop, "save_policy", full_disk)
+    monkeypatch.setattr(tba.run, "save_policy", full_disk)
     trained = trainer(workspace, run_dir)
     with pytest.raises(RunError) as raised:
         trained.train()
@@ -189,7 +189,7 @@ def test_an_end_cut_short_by_a_full_disk_is_finished_by_resuming_through_the_api
         "eval.json is written; its training is complete and checkpointed (step000003): "
         "trainer.train(resume_from_checkpoint=True) evaluates and saves it, without training")
     assert not (run_dir / "final").exists() and not (run_dir / "final.partial").exists()
-    monkeypatch.setattr(tba.loop, "save_policy", save_policy)  # space freed
+    monkeypatch.setattr(tba.run, "save_policy", save_policy)  # space freed
     capsys.readouterr()
     result = trained.train(resume_from_checkpoint=True)
     assert "but its end was not saved: evaluating and saving it, without training" in (
@@ -203,20 +203,20 @@ def test_a_full_disk_writing_eval_json_is_one_line_and_resume_finishes(
     workspace, tmp_path, monkeypatch, capsys
 ):  # fmt: skip
     run_dir = tmp_path / "run"
-    write_whole = tba.loop.write_whole
+    write_whole = tba.run.write_whole
 
     def full_disk(path, text):
         if path.name == "eval.json":
             raise NO_SPACE
         write_whole(path, text)
 
-    monkeypatch.setattr(tba.loop, "write_whole", full_disk)
+    monkeypatch.setattr(tba.run, "write_whole", full_disk)
     assert main(["train", *TINY_RUN, *workspace.task(), f"output_dir={run_dir}"]) == 1
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tba:")]
     assert line == (f"tba: error: cannot write {run_dir / 'eval.json'} (No space left on device); "
                     "its training is complete and checkpointed (step000003): `tba train --resume "
                     f"{run_dir}` evaluates and saves it, without training")  # fmt: skip
-    monkeypatch.setattr(tba.loop, "write_whole", write_whole)  # space freed
+    monkeypatch.setattr(tba.run, "write_whole", write_whole)  # space freed
     assert main(["eval", str(run_dir)]) == 2
     assert f"finish it with `tba train --resume {run_dir}`" in capsys.readouterr().err
     assert main(["train", "--resume", str(run_dir)]) == 0

@@ -14,12 +14,12 @@ import pytest
 from tba.buffer import ReplayBuffer
 from tba.config import load_config
 from tba.core import Sample
-from tba.loop import trainer_threads
+from tba.run import trainer_threads
 from tba.runtime.feed import make_feed
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_pool import searcher_seed
 from tba.runtime.transfer import Offer
-from tba.searcher import SearchSettings
+from tba.searcher import Searcher
 from tba.trainer import Trainer
 
 
@@ -184,22 +184,25 @@ def always_one(prompts, completions, **columns):
     return [1.0] * len(completions)
 
 
-def test_search_settings_sample_at_the_searchers_temperature_when_set():
-    assert SearchSettings.from_config(load_config(None, [])).sample_temperature is None
-    overrides = ["policy.temperature=0.9", "searchers.temperature=1.5"]
-    explore = SearchSettings.from_config(load_config(None, overrides))
-    assert (explore.temperature, explore.sample_temperature) == (0.9, 1.5)
+def test_a_searcher_samples_at_the_searchers_temperature_when_set(tiny_model, tokenizer):
+    def sample_temperature(*overrides: str) -> float:
+        config = load_config(None, ["policy.temperature=0.9", *overrides])
+        return Searcher(tiny_model, tokenizer, [{"prompt": "Q\n"}], [always_one],
+                        config).sample_temperature  # fmt: skip
+
+    assert sample_temperature() == 0.9  # the policy's
+    assert sample_temperature("searchers.temperature=1.5") == 1.5
 
 
 @pytest.fixture
 def worker(tmp_path, tiny_model, tokenizer):
     tiny_model.save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
-    config = load_config(None, ["train.group_size=3", "policy.max_new_tokens=4"])
-    settings = SearchSettings.from_config(config)
+    config = load_config(None, ["train.group_size=3", "policy.max_new_tokens=4",
+                                "policy.dtype=float32"])  # fmt: skip
     rows = [{"prompt": f"Q{i}\n", "answer": str(i)} for i in range(5)]
     worker = SearcherActor(
-        str(tmp_path / "policy"), rows, [always_one], settings, searcher_id=1, seed=0,
+        str(tmp_path / "policy"), rows, [always_one], config, searcher_id=1, seed=0,
         device="cpu", num_threads=1, weights_timeout_s=5,
     )  # fmt: skip
     yield worker

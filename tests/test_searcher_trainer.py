@@ -8,13 +8,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from pydantic import Field
 
 from tba.config import RunConfig, TrainConfig
 from tba.core import Sample
 from tba.objectives import OBJECTIVES, LossInputs, Needs, Objective
 from tba.policy.logprobs import sequence_logprobs, token_logprobs
 from tba.policy.model import build_tiny_llama, frozen_copy
-from tba.searcher import PromptStream, Searcher, SearchSettings
+from tba.searcher import PromptStream, Searcher
+from tba.section import Section
 from tba.trainer import Trainer
 
 ROWS = [{"prompt": f"Q{i}\n", "answer": str(i)} for i in range(5)]
@@ -30,15 +32,11 @@ def train(learning_rate: float = 1e-3, **settings) -> TrainConfig:
     return TrainConfig(**settings).model_copy(update={"learning_rate": learning_rate})
 
 
-def settings(**overrides) -> SearchSettings:
-    values = dict(
-        samples_per_prompt=3,
-        temperature=1.0,
-        max_new_tokens=6,
-        truncated="penalize",
-        truncation_penalty=-1.0,
-    )
-    return SearchSettings(**(values | overrides))
+def small_run(policy: dict | None = None, searchers: dict | None = None, **train) -> RunConfig:
+    """A run's config as the searchers here read it: groups of 3 responses of up to 6 tokens,
+    and `policy`, `searchers` and `train` settings."""
+    return RunConfig(policy={"max_new_tokens": 6, **(policy or {})}, searchers=searchers or {},
+                     train={"group_size": 3, **train})  # fmt: skip
 
 
 def test_prompt_stream_covers_every_row_once_per_pass():
@@ -49,7 +47,8 @@ def test_prompt_stream_covers_every_row_once_per_pass():
 
 
 def test_generate_tags_samples_and_matches_reference_at_version_zero(tiny_model, tokenizer):
-    searcher = Searcher(tiny_model, tokenizer, ROWS, [always_one], settings(), seed=0)
+    searcher = Searcher(tiny_model, tokenizer, ROWS, [always_one], small_run(truncated="penalize"),
+                        seed=0)  # fmt: skip
     samples, stats = searcher.generate(num_prompts=2)
     assert len(samples) == 2 * 3
     assert len({s.prompt_id for s in samples}) == 2
@@ -71,9 +70,6 @@ def test_reference_scoring_never_exceeds_the_trainers_micro_batch(tiny_model, to
     passes of 3 samples, and gets what one pass over the whole batch gets."""
     import tba.searcher
 
-    config = RunConfig.model_validate({"train": {"micro_batch_groups": 1, "group_size": 3}})
-    assert SearchSettings.from_config(config).score_batch == 3
-    assert SearchSettings.from_config(RunConfig()).score_batch is None
     sizes: list[int] = []
 
     def counted(model, prompts, responses, **kwargs):
@@ -82,9 +78,11 @@ def test_reference_scoring_never_exceeds_the_trainers_micro_batch(tiny_model, to
 
     monkeypatch.setattr(tba.searcher, "token_logprobs", counted)
     passes = {}
-    for score_batch in (None, 3):
-        scoring = settings(score_batch=score_batch, token_ref_logps=True)
+    for score_batch, micro_batch_groups in ((None, None), (3, 1)):
+        # PPO's objective needs each token's reference log-prob: they are scored alike.
+        scoring = small_run(loss="ppo", micro_batch_groups=micro_batch_groups)
         searcher = Searcher(tiny_model, tokenizer, ROWS, [always_one], scoring, seed=0)
+        assert searcher.score_batch == score_batch and searcher.token_ref_logps
         sizes.clear()
         samples, _ = searcher.generate(num_prompts=4)
         passes[score_batch] = (list(sizes), samples)
@@ -96,7 +94,8 @@ def test_reference_scoring_never_exceeds_the_trainers_micro_batch(tiny_model, to
 
 def test_an_exploration_temperature_changes_the_sampler_not_the_reference(tiny_model, tokenizer):
     searcher = Searcher(
-        tiny_model, tokenizer, ROWS, [always_one], settings(sample_temperature=2.0), seed=0
+        tiny_model, tokenizer, ROWS, [always_one], small_run(searchers={"temperature": 2.0}),
+        seed=0,
     )
     samples, _ = searcher.generate(num_prompts=2)
     prompts = [s.prompt_ids for s in samples]
@@ -112,7 +111,8 @@ def test_an_exploration_temperature_changes_the_sampler_not_the_reference(tiny_m
 
 def test_truncated_responses_can_be_dropped(tiny_model, tokenizer):
     searcher = Searcher(
-        tiny_model, tokenizer, ROWS, [always_one], settings(max_new_tokens=1, truncated="drop")
+        tiny_model, tokenizer, ROWS, [always_one],
+        small_run(policy={"max_new_tokens": 1}, truncated="drop"),
     )
     samples, stats = searcher.generate(num_prompts=2)
     assert all(not s.truncated for s in samples)
@@ -120,7 +120,7 @@ def test_truncated_responses_can_be_dropped(tiny_model, tokenizer):
 
 
 def test_new_weights_change_the_version_and_the_policy(tiny_model, tokenizer):
-    searcher = Searcher(tiny_model, tokenizer, ROWS, [always_one], settings())
+    searcher = Searcher(tiny_model, tokenizer, ROWS, [always_one], small_run(truncated="penalize"))
     weights = {k: v * 0.5 for k, v in searcher.policy.state_dict().items()}
     searcher.set_weights({k: v.numpy() for k, v in weights.items()}, version=3, step=3)
     samples, _ = searcher.generate(num_prompts=1)
@@ -179,7 +179,8 @@ def test_micro_batches_give_the_same_gradient(tokenizer, trust_region):
 
 @pytest.mark.parametrize("loss", ["tb", "dr_grpo", "grpo", "rloo", "proximal_rloo", "online_dpo"])
 def test_every_loss_trains_on_searcher_samples(tiny_model, tokenizer, loss):
-    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one], settings())
+    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one],
+                        small_run(truncated="penalize"))  # fmt: skip
     samples, _ = searcher.generate(num_prompts=2)
     for i, s in enumerate(samples):
         s.reward = float(i % 3)  # distinct rewards in every group (a random policy rarely stops)
@@ -198,10 +199,6 @@ def by_prompt(samples: list[Sample]) -> list[list[Sample]]:
         s.prompt_id for s in samples)]  # fmt: skip
 
 
-def small_run(**train) -> RunConfig:
-    return RunConfig(policy={"max_new_tokens": 6}, train={"group_size": 3, **train})
-
-
 @pytest.mark.parametrize("loss", list(OBJECTIVES))
 def test_each_objective_is_given_exactly_what_its_needs_ask_for(tiny_model, tokenizer, loss,
                                                                 monkeypatch):  # fmt: skip
@@ -215,15 +212,14 @@ def test_each_objective_is_given_exactly_what_its_needs_ask_for(tiny_model, toke
         given.append(x)
         return objective(x)
 
-    monkeypatch.setitem(OBJECTIVES, loss, Objective(spy, needs))
+    monkeypatch.setitem(OBJECTIVES, loss, Objective(spy, needs, objective.settings))
     sections = {}
     if needs.learned_log_z:
         sections["tb"] = {"log_z": "learned"}
     if needs.step_values:
         sections["vineppo"] = {"rollouts": 2, "delimiter": "1"}
     config = small_run(loss=loss, **sections)
-    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one],
-                        SearchSettings.from_config(config), seed=0)  # fmt: skip
+    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one], config, seed=0)
     samples, _ = searcher.generate(num_prompts=2)
     for i, s in enumerate(samples):
         s.reward = float(i % 3)
@@ -235,10 +231,16 @@ def test_each_objective_is_given_exactly_what_its_needs_ask_for(tiny_model, toke
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     (x,) = given
     assert x.settings is config.train and x.samples == samples
-    assert (x.values is not None) == (trainer.critic is not None) == needs.critic
+    assert (x.values is not None) == ("critic" in trainer.providers) == needs.critic
     assert ("value_grad_norm" in metrics) == needs.critic
     assert (x.ref_token_logp is not None) == needs.token_ref_logp
-    assert (x.log_z is not None) == (trainer.log_z_head is not None) == needs.learned_log_z
+    assert (x.log_z is not None) == ("learned_log_z" in trainer.providers) == needs.learned_log_z
+    # Beside the policy's optimizer state, a checkpoint keeps its needs' providers' tensors alone,
+    # each under its provider's key.
+    state = trainer.state_dict()
+    parts = {key.split(".")[0] for key in state["optimizer"]} - {"master", "kahan"}
+    assert {part for part in parts if not part.isdigit()} == {
+        provider.key for provider in trainer.providers.values() if provider.state_tensors()}
     # Context samples join their groups' statistics only where the objective has them.
     group = by_prompt(samples)[0]
     if needs.group_statistics:
@@ -248,26 +250,34 @@ def test_each_objective_is_given_exactly_what_its_needs_ask_for(tiny_model, toke
             trainer.step([group[:2]], beta=0.1, context=[group[2:]])
 
 
+class ValueRegressionSettings(Section):
+    """A made-up objective's own settings: the section `train.value_regression`."""
+
+    value_weight: float = Field(1.0, gt=0, description="weight of the value loss")
+
+
+def value_regression(x: LossInputs):
+    """A made-up objective: REINFORCE with a mean baseline, and a critic regressed on the
+    reward, weighted by its own setting."""
+    advantage = x.rewards - x.rewards.mean()
+    value_loss = ((x.values - x.rewards[:, None]).pow(2) * x.mask).sum() / len(x.rewards)
+    kl = ((x.token_logp.detach() - x.ref_token_logp) * x.mask).sum(dim=1)
+    weight = x.settings.value_regression.value_weight
+    loss = -(advantage * x.token_logp.sum(dim=1)).mean() + weight * value_loss
+    return loss, {"value_loss": value_loss.detach(), "kl": kl.mean(), "weight": weight}
+
+
+VALUE_REGRESSION = Objective(value_regression, Needs(critic=True, token_ref_logp=True),
+                             ValueRegressionSettings)  # fmt: skip
+
+
 def test_a_new_objective_is_its_registry_entry_alone(tiny_model, tokenizer, monkeypatch):
-    """An objective that the searchers, the trainer and its checkpoints never heard of trains
-    from its entry alone: a critic and per-token reference log-probs, as its needs ask."""
-
-    def value_regression(x: LossInputs):
-        advantage = x.rewards - x.rewards.mean()
-        value_loss = ((x.values - x.rewards[:, None]).pow(2) * x.mask).sum() / len(x.rewards)
-        kl = ((x.token_logp.detach() - x.ref_token_logp) * x.mask).sum(dim=1)
-        loss = -(advantage * x.token_logp.sum(dim=1)).mean() + value_loss
-        return loss, {"value_loss": value_loss.detach(), "kl": kl.mean()}
-
-    monkeypatch.setitem(OBJECTIVES, "value_regression",
-                        Objective(value_regression, Needs(critic=True, token_ref_logp=True)))
-    # The config's names are the registry's when it is imported: a name registered since is set
-    # past its validation.
-    config = small_run()
-    config = config.model_copy(update={"train": config.train.model_copy(
-        update={"loss": "value_regression"})})  # fmt: skip
-    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one],
-                        SearchSettings.from_config(config), seed=0)  # fmt: skip
+    """An objective that the config, the searchers, the trainer and its checkpoints never heard
+    of trains from its entry alone: its own settings (`train.value_regression`), a critic and
+    per-token reference log-probs, as its needs ask."""
+    monkeypatch.setitem(OBJECTIVES, "value_regression", VALUE_REGRESSION)
+    config = small_run(loss="value_regression", value_regression={"value_weight": 2.0})
+    searcher = Searcher(frozen_copy(tiny_model), tokenizer, ROWS, [always_one], config, seed=0)
     samples, _ = searcher.generate(num_prompts=2)
     for i, s in enumerate(samples):
         s.reward = float(i % 3)
@@ -277,9 +287,10 @@ def test_a_new_objective_is_its_registry_entry_alone(tiny_model, tokenizer, monk
     before = [p.detach().clone() for p in trainer.model.parameters()]
     metrics = trainer.step(by_prompt(samples), beta=0.1)
     assert metrics["value_loss"] > 0 and metrics["value_grad_norm"] > 0
+    assert metrics["weight"] == 2.0  # the loss read its own setting
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-5)  # policy and reference: one model yet
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
-    assert trainer.critic.head.weight.abs().sum() > 0
+    assert trainer.providers["critic"].critic.head.weight.abs().sum() > 0
     assert trainer.state_dict()["optimizer"]["value.head.weight"].abs().sum() > 0
 
 
@@ -342,13 +353,13 @@ def test_learned_log_z_starts_at_vargrad_and_survives_a_checkpoint(tiny_model, t
     settings.tb = settings.tb.model_copy(update={"log_z_lr": 0.0})  # past its validation too
     trainer = Trainer(tiny_model, settings, pad_id=tokenizer.pad_token_id, temperature=1.0)
     trainer.step([group], beta=beta)
-    assert trainer.log_z_head.ready
-    assert trainer.log_z_head.head.bias.item() == pytest.approx(vargrad, abs=1e-4)
+    assert trainer.providers["learned_log_z"].ready
+    assert trainer.providers["learned_log_z"].head.bias.item() == pytest.approx(vargrad, abs=1e-4)
     other = Trainer(tiny_model, train(0.0, tb={"log_z": "learned"}),
                     pad_id=tokenizer.pad_token_id, temperature=1.0)  # fmt: skip
     other.load_state_dict(trainer.state_dict())
-    assert other.log_z_head.ready
-    assert other.log_z_head.head.bias.item() == pytest.approx(vargrad, abs=1e-4)
+    assert other.providers["learned_log_z"].ready
+    assert other.providers["learned_log_z"].head.bias.item() == pytest.approx(vargrad, abs=1e-4)
 
 
 @pytest.mark.parametrize("loss", ["tb", "rloo"])

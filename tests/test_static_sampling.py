@@ -14,6 +14,7 @@ import gc
 import math
 import weakref
 from collections import Counter
+from types import SimpleNamespace
 from unittest import mock
 
 import peft
@@ -47,7 +48,6 @@ from tba.policy.sampling import (
     resolve_sampler,
     sampler_for,
 )
-from tba.searcher import SearchSettings
 
 VOCAB, PAD = 48, 0
 # Different lengths, and repeated prompts (not next to each other): each distinct prompt is
@@ -440,7 +440,11 @@ def test_a_model_without_a_plain_static_cache_is_refused_in_one_line():
 
 def test_the_setting_reaches_the_searchers_and_evaluation():
     config = load_config(None, ["policy.sampler=compiled"])
-    assert SearchSettings.from_config(config).sampler == "compiled"
+    model = tiny("llama")
+    tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=PAD)
+    engine = BuiltinEngine.start(model, tokenizer, seed=0, model_dir=None, policy=config.policy,
+                                 settings=config.searchers.engine)  # fmt: skip
+    assert engine.sampler is sampler_for(model, "compiled")  # kept on the model per kind
     assert EvalSettings.from_config(config).sampler == "compiled"
     assert load_config(None, []).policy.sampler == "auto"
     with pytest.raises(ConfigError, match="policy.sampler"):

@@ -324,3 +324,12 @@ def test_receiving_attaches_once_and_keeps_what_it_uses(tiny_model):
     for _ in range(3):
         receiving.attach((Candidate("counting", Counting, None),))
     assert Counting.made == 1 and receiving.using == "counting"
+
+
+@pytest.mark.slow
+def test_the_digest_benchmark_runs_on_tiny_shapes():
+    from benchmarks.digest import main
+
+    rows = main(["--small", "--repeats", "3", "--device", "cpu"])
+    assert [r["model"] for r in rows] == ["built-in policy", "narrow shape"]
+    assert all(r["publish_s"] > 0 and r["trainer_s"] > 0 and r["searcher_s"] > 0 for r in rows)

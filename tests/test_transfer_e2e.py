@@ -77,7 +77,7 @@ def file_transport() -> tuple[type[Sender], type[TransferSettings]]:
 
 
 def test_a_transport_registered_from_outside_carries_an_asynchronous_run(tmp_path, policy_dir):
-    from tba.loop import train
+    from tba.run import train
 
     sender, settings = file_transport()
     register_transport(sender, settings)

@@ -100,10 +100,10 @@ MAPPED = {
     "max_completion_length": (64, {"policy.max_new_tokens": 64}),
     "max_prompt_length": (128, {"policy.max_prompt_length": 128}),
     "temperature": (0.7, {"policy.temperature": 0.7}),
-    "use_vllm": (True, {"searchers.engine": "vllm"}),
-    "vllm_gpu_memory_utilization": (0.5, {"searchers.vllm.gpu_memory_utilization": 0.5}),
-    "vllm_tensor_parallel_size": (2, {"searchers.vllm.tensor_parallel_size": 2}),
-    "vllm_max_model_length": (2048, {"searchers.vllm.max_model_len": 2048}),
+    "use_vllm": (True, {"searchers.engine.type": "vllm"}),
+    "vllm_gpu_memory_utilization": (0.5, {"searchers.engine.gpu_memory_utilization": 0.5}),
+    "vllm_tensor_parallel_size": (2, {"searchers.engine.tensor_parallel_size": 2}),
+    "vllm_max_model_length": (2048, {"searchers.engine.max_model_len": 2048}),
     "bf16": (True, {"policy.dtype": "bfloat16"}),
     "use_cpu": (True, {"policy.device": "cpu", "searchers.device": "cpu",
                        "task.reward_device": "cpu"}),
@@ -129,12 +129,28 @@ MAPPED = {
 @pytest.mark.parametrize("name", sorted(MAPPED))
 def test_a_mapped_argument_sets_the_tba_setting_it_means(name):
     value, expected = MAPPED[name]
-    config = TBAConfig(**{name: value})
+    entry = TRL_ARGUMENTS[name]
+    alongside = {entry.only_with: True} if entry.only_with else {}  # use_vllm for vLLM's
+    config = TBAConfig(**{name: value}, **alongside)
     for dotted, wanted in expected.items():
         got = config._hub if dotted == "_hub" else setting(config, dotted)
         assert got == wanted, (name, dotted)
     if name in TRL_DEFAULTS:  # and at TRL's default, the tba setting TRL's default gives
         assert TBAConfig(**{name: TRL_DEFAULTS[name]}).model_dump() == TBAConfig().model_dump()
+
+
+def test_vllms_settings_take_effect_with_use_vllm_alone_as_in_trl():
+    """Without use_vllm=True, TRL generates without vLLM and its vLLM settings do nothing: so
+    here, where they are named among the arguments without effect (not an error for the
+    built-in engine, which has no such settings)."""
+    config = TBAConfig(vllm_gpu_memory_utilization=0.5, vllm_max_model_length=64)
+    assert config.searchers.engine.type == "builtin"
+    assert config._trl.ignored == ["vllm_gpu_memory_utilization=0.5 (without use_vllm=True)",
+                                   "vllm_max_model_length=64 (without use_vllm=True)"]
+    off = TBAConfig(use_vllm=False, vllm_tensor_parallel_size=2)
+    assert off.searchers.engine.type == "builtin"
+    on = TBAConfig(use_vllm=True, vllm_tensor_parallel_size=2).searchers.engine
+    assert on.type == "vllm" and on.tensor_parallel_size == 2 and on.gpu_memory_utilization == 0.3
 
 
 def test_every_mapped_argument_is_tested_and_every_grpo_config_field_is_known():
@@ -296,8 +312,8 @@ def test_an_error_names_what_the_script_wrote_in_one_line(arguments, message):
          ({"bits": 4, "quant_type": "nf4", "double_quant": True}, "bfloat16")),
         (BitsAndBytesConfig(load_in_4bit=True),  # bitsandbytes' own defaults: fp4, float32
          ({"bits": 4, "quant_type": "fp4", "double_quant": False}, "float32")),
-        ({"load_in_8bit": True, "quant_method": "bitsandbytes"},
-         ({"bits": 8, "quant_type": "nf4", "double_quant": False}, "float32")),
+        ({"load_in_8bit": True, "quant_method": "bitsandbytes"},  # no dtype named: tba's auto
+         ({"bits": 8, "quant_type": "nf4", "double_quant": False}, "auto")),
     ],
 )  # fmt: skip
 def test_a_bitsandbytes_quantization_config_is_tbas_quantization(quantization, expected):

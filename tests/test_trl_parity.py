@@ -21,12 +21,12 @@ from transformers.trainer_utils import TrainOutput
 
 from tba import TBAConfig, TBATrainer
 from tba.api import PushToHubError
-from tba.config import load_config
+from tba.config import RunConfig, load_config
 from tba.errors import ConfigError
 from tba.policy.sampling import Generation
 from tba.rewards.scorer import RewardScorer, TrainerState
 from tba.run_dir import RunExistsError, read_metrics
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher
 from tba.tracking import open_trackers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,9 +90,8 @@ def test_a_completion_no_function_scores_is_dropped_and_counted(tiny_model, toke
     def even_only(completions, **kwargs):
         return [1.0 if i % 2 == 0 else None for i in range(len(completions))]
 
-    settings = SearchSettings(samples_per_prompt=4, temperature=1.0, max_new_tokens=4,
-                              truncated="score", truncation_penalty=-1.0)  # fmt: skip
-    searcher = Searcher(tiny_model, tokenizer, rows(2), [even_only], settings)
+    config = RunConfig(policy={"max_new_tokens": 4}, train={"group_size": 4, "truncated": "score"})
+    searcher = Searcher(tiny_model, tokenizer, rows(2), [even_only], config)
     samples, stats = searcher.generate(num_prompts=2)
     assert len(samples) == 4 and stats["reward_unscored"] == 4 and stats["reward_dropped"] == 4
     assert all(s.reward == 1.0 and s.reward_parts == {"even_only": 1.0} for s in samples)
@@ -110,9 +109,8 @@ def test_a_response_without_eos_is_scored_penalized_or_dropped(tiny_model, token
     def half(completions, **kwargs):
         return [0.5] * len(completions)
 
-    settings = SearchSettings(samples_per_prompt=2, temperature=1.0, max_new_tokens=4,
-                              truncated=rule, truncation_penalty=-1.0)  # fmt: skip
-    searcher = Searcher(tiny_model, tokenizer, rows(1), [half], settings)
+    config = RunConfig(policy={"max_new_tokens": 4}, train={"group_size": 2, "truncated": rule})
+    searcher = Searcher(tiny_model, tokenizer, rows(1), [half], config)
     out = Generation([[1], [1]], [0.0, 0.0], [[0.0], [0.0]], [False, True])
     _, totals, _ = searcher._score([0, 0], ["a", "b"], out)
     assert [t if not math.isnan(t) else None for t in totals] == expected

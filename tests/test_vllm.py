@@ -16,7 +16,8 @@ import peft
 import pytest
 import torch
 
-from tba.policy.engines import VllmEngine, VllmSettings
+from tba.config import VllmEngineSettings
+from tba.policy.engines import VllmEngine
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import build_tiny_llama, load_model
 from tba.policy.tokenizer import build_char_tokenizer
@@ -26,7 +27,7 @@ from tba.tasks.math import world
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it in its own venv)")
 pytestmark = pytest.mark.vllm
 
-SETTINGS = VllmSettings(kv_cache_gb=0.25, dtype="float32", enforce_eager=True)
+SETTINGS = VllmEngineSettings(kv_cache_gb=0.25, dtype="float32", enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_tba_train_runs_with_the_vllm_engine(tmp_path, policy_dir, mode):
     done = subprocess.run(
         [sys.executable, "-m", "tba.cli", "train", f"policy.model={policy_dir}",
          f"train.mode={mode}", *searchers, "searchers.engine=vllm",
-         "searchers.vllm.kv_cache_gb=0.25", "searchers.vllm.enforce_eager=true",
+         "searchers.engine.kv_cache_gb=0.25", "searchers.engine.enforce_eager=true",
          "train.max_steps=6", "train.num_prompts=2", "train.group_size=4", "task.num_eval=8",
          "eval.every=1000", "policy.num_threads=1", f"output_dir={run_dir}"],
         capture_output=True, text=True, timeout=600, env=environment_without_vllm_preload(),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tba.config import LoraConfig, load_config
+from tba.config import LoraConfig, RunConfig, load_config
 from tba.config.transfer import BroadcastTransfer, SharedTransfer
 from tba.errors import RunError
 from tba.policy.model import add_lora, get_weights, published_state, set_weights
@@ -35,6 +35,11 @@ from tba.runtime.transfer.buckets import (
     unpack,
 )
 from tba.runtime.transfer.shared import SharedReceiver, SharedSender
+
+
+def searcher_config() -> RunConfig:
+    """What a searcher process here reads: 2-token responses of the float32 tiny policy."""
+    return load_config(None, ["policy.max_new_tokens=2", "policy.dtype=float32"])
 
 
 def always_one(prompts, completions, **columns):
@@ -242,15 +247,12 @@ def test_a_publish_during_a_generation_never_mixes_versions(tmp_path, tiny_model
     after, that their weights are one whole published version; the trainer publishes all the
     while, every version a weight pattern of its own."""
     from tba.runtime.ray_actor import SearcherActor
-    from tba.searcher import SearchSettings
 
     tiny_model.save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
-    config = load_config(None, ["policy.max_new_tokens=2"])
     worker = SearcherActor(
-        str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one],
-        SearchSettings.from_config(config), searcher_id=0, seed=0, device="cpu", num_threads=1,
-        weights_timeout_s=5,
+        str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one], searcher_config(),
+        searcher_id=0, seed=0, device="cpu", num_threads=1, weights_timeout_s=5,
     )  # fmt: skip
     trainer_model = tiny_model
 
@@ -297,13 +299,11 @@ def test_a_publish_during_a_generation_never_mixes_versions(tmp_path, tiny_model
 def test_an_offer_only_through_buckets_it_cannot_map_fails_clearly(tmp_path, tiny_model,
                                                                    tokenizer):  # fmt: skip
     from tba.runtime.ray_actor import SearcherActor
-    from tba.searcher import SearchSettings
 
     tiny_model.save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
     worker = SearcherActor(
-        str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one],
-        SearchSettings.from_config(load_config(None, ["policy.max_new_tokens=2"])),
+        str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one], searcher_config(),
         searcher_id=0, seed=0, device="cpu", num_threads=1, weights_timeout_s=5,
     )  # fmt: skip
     sender = shared_sender(tiny_model, node="trainer-node")
@@ -434,7 +434,6 @@ def test_a_searcher_whose_broadcast_group_fails_falls_back_to_the_object_store(
     """Asynchronous: it says so in its reports and keeps its weights until a copy comes;
     synchronous (which must have the version offered): one line saying why."""
     from tba.runtime.ray_actor import SearcherActor
-    from tba.searcher import SearchSettings
 
     tiny_model.save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
@@ -445,8 +444,7 @@ def test_a_searcher_whose_broadcast_group_fails_falls_back_to_the_object_store(
         offer = Offer(1, 0, candidates=(Candidate("broadcast", BroadcastReceiver, unreachable),))
         for exact in (False, True):
             worker = SearcherActor(
-                str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one],
-                SearchSettings.from_config(load_config(None, ["policy.max_new_tokens=2"])),
+                str(tmp_path / "policy"), [{"prompt": "Q\n"}], [always_one], searcher_config(),
                 searcher_id=0, seed=0, device="cpu", num_threads=1, weights_timeout_s=5,
             )  # fmt: skip
             worker.offer(offer)
@@ -481,7 +479,7 @@ def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoi
     from tba.policy.model import load_policy
     from tba.runtime.ray_cluster import ray_session
     from tba.runtime.ray_pool import RaySearchers, searcher_seed
-    from tba.searcher import Searcher, SearchSettings
+    from tba.searcher import Searcher
     from tba.trainer import Trainer, trainer_settings
 
     config = load_config(None, [
@@ -502,8 +500,7 @@ def test_ray_searchers_hold_and_sample_the_published_weights_and_a_restart_rejoi
     # What searcher 0's first process samples, in this process, with the weights it is given.
     seed0 = searcher_seed(config.seed, 0, 0)
     local = Searcher(load_policy(str(policy_dir), "cpu"), tokenizer, rows, task.reward_fns,
-                     SearchSettings.from_config(config), searcher_id=0, seed=seed0,
-                     stream_seed=seed0)  # fmt: skip
+                     config, searcher_id=0, seed=seed0, stream_seed=seed0)  # fmt: skip
     with ray_session(config):
         searchers = RaySearchers(config, policy_dir, task, lambda kind, **f: events.append(
             (kind, f)), trainer)  # fmt: skip

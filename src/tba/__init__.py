@@ -5,8 +5,8 @@ reward functions; `tba train` (`tba.cli`) runs the same from YAML configs. The l
 data flow, prompts -> searchers -> buffer -> trainer -> weights -> searchers: `tba.tasks`
 (prompts and rewards), `tba.searcher`, `tba.buffer`, `tba.trainer` (with `tba.objectives`, the
 losses, and `tba.policy`, models, sampling and log-probs), `tba.runtime` (where searchers run
-and how their samples reach the buffer) and `tba.loop`, which wires them for a run
-(docs/design.md).
+and how their samples reach the buffer), `tba.loop`, which steps them, and `tba.run`, which
+wires them for a run (docs/design.md).
 """
 
 import logging

@@ -39,12 +39,13 @@ from transformers.trainer_utils import TrainOutput
 from tba.config import RunConfig, apply_overrides, first_error_line, load_config
 from tba.core import RewardFn
 from tba.errors import ConfigError, RunError, first_line
+from tba.interrupts import Advice
 from tba.keys import get_key
-from tba.loop import Advice, train
 from tba.offline_eval import score_final
 from tba.policy.model import is_lora
 from tba.quiet import quiet_libraries
 from tba.rewards.scorer import check_reward_weights
+from tba.run import train
 from tba.run_dir import RunExistsError, read_metrics
 from tba.tasks.custom import custom_task, prepare_rows, reward_functions
 from tba.trl_args import TrlSettings, merge_arguments, quantization_settings

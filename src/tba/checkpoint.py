@@ -42,7 +42,7 @@ from tba.config import QuantizationConfig
 from tba.config.loading import quoted
 from tba.errors import CheckpointError, writing
 from tba.keys import get_key
-from tba.objectives import OBJECTIVES
+from tba.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
 
 FORMAT = 2  # 2: one state dict, each component's under its name
 PARTIAL_PREFIX = ".partial-"
@@ -191,7 +191,8 @@ FREE_KEYS = ("task.num_eval", "task.num_eval_pass_k", "task.reward_batch_size",
 # Settings that decide what the trainer saves beside the policy (a critic, a learned log Z),
 # with their defaults and the names runs written before `train.ppo` and `train.tb` gave them: a
 # checkpoint of one trainer does not load into another (`check_trainer_parts`).
-TRAINER_KEYS = {"train.loss": ("tb", ()), "train.ppo.value_model": ("head", ("train.value_model",)),
+TRAINER_KEYS = {"train.loss": (DEFAULT_OBJECTIVE, ()),
+                "train.ppo.value_model": ("head", ("train.value_model",)),
                 "train.tb.log_z": ("vargrad", ("train.log_z",))}  # fmt: skip
 
 
@@ -236,7 +237,9 @@ def check_optimizer_state(saved: dict[str, Any], current: dict[str, Any], path: 
     change."""
     old, new = ({key: get_key(config, key) or default for key, default in OPTIMIZER_KEYS.items()}
                 for config in (saved, current))  # fmt: skip
-    if all((get_key(config, "policy.dtype") or "float32") == "float32"
+    # A run records its concrete dtype, and `auto` on resume is the dtype it was trained in
+    # (`tba.run.with_concrete_dtype`): `auto` here is a config no run has decided.
+    if all(get_key(config, "policy.dtype") in (None, "float32", "auto")
            for config in (saved, current)):  # fmt: skip
         old.pop("train.master_weights")
         new.pop("train.master_weights")

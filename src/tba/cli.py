@@ -137,13 +137,22 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
     """The first argument is a config file when it names a YAML file or an existing path, or is
     not a `key=value` setting (a file without an extension, which may be missing); a setting's
     key without its value (`train.max_steps`) is neither."""
-    if args and (args[0].endswith((".yaml", ".yml")) or Path(args[0]).exists()
+    if args and (args[0].endswith((".yaml", ".yml")) or _exists(args[0])
                  or "=" not in args[0]):  # fmt: skip
-        if not Path(args[0]).exists() and _names_a_setting(args[0]):
+        if not _exists(args[0]) and _names_a_setting(args[0]):
             raise ConfigError(f"{args[0]} is a setting without a value: a setting is key=value "
                               f"(e.g. {args[0]}=VALUE)")  # fmt: skip
         return args[0], args[1:]
     return None, args
+
+
+def _exists(arg: str) -> bool:
+    """Whether `arg` names an existing path; False where it cannot be one (a name longer than
+    the file system allows, a NUL byte), so that a long `key=value` reads as a setting."""
+    try:
+        return Path(arg).exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _names_a_setting(arg: str) -> bool:
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             path = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
             console.log(f"base policy ready: {path}")
             return 0
-        from tba.loop import train
+        from tba.run import train
 
         run_dir = train(config, console, resume=resume is not None, overwrite=options.overwrite)
         summary = json.loads((run_dir / "eval.json").read_text())

@@ -4,7 +4,7 @@ stopped says: what it keeps and how to go on.
 In the training loop a first signal asks the loop to stop after its step (then the run is
 checkpointed, evaluated and saved); anywhere else (the start, the evaluations, the saves), or a
 second time, the run stops at once, closing its searchers and Ray on the way out, and says in one
-line what is kept and what `--resume` does (`tba.loop.train` raises it as `Interrupted`).
+line what is kept and what `--resume` does (`tba.run.train` raises it as `Interrupted`).
 SIGHUP (the terminal or the SSH session closed) is SIGTERM's twin, except that what the run
 prints from then on goes nowhere: the terminal it would print to is gone.
 """
@@ -40,6 +40,19 @@ class StopRequest(threading.Event):
     replacement: Replacement | None = None  # the run this one replaces, set aside until then
     holding = False  # a moment not to cut short (`hold`): a signal waits for its end
     held: int | None = None  # the signal that waits
+
+    @contextmanager
+    def during(self, phase: str, *, after_step: bool = False) -> Iterator[None]:
+        """The block is `phase` of the run, in words (`during the final evaluation`), for the
+        line that a signal ending the run at once says; `after_step`: the block is the training
+        loop, where a first signal stops the run after its step instead. `after_step` ends with
+        the block; the phase lasts until the next one begins, so that what closes after the
+        block (the searchers it stopped, the trainer of a run it saved, the run's files) is
+        said to be its end. A block left by an exception leaves both as they were: the line
+        then says where the run was."""
+        self.phase, self.after_step = phase, after_step
+        yield
+        self.after_step = False
 
     def hold(self) -> None:
         """From now until `release`, a signal waits: Ray stopping its processes and shutting

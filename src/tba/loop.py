@@ -1,102 +1,47 @@
-"""`tba train`: wire task, searchers, buffer and trainer, and record everything in a run directory.
+"""The training loop (`TrainLoop`): the steps of a run, from its first step to its limit.
 
 Data flows one way: prompts -> searchers -> buffer -> trainer -> weights -> searchers. Every step
-of the `TrainLoop` brings new samples in (`tba.runtime.feed`, the one place the synchronous and
-asynchronous modes differ, and where both are described), samples a batch from the buffer, sets
-beta by its schedule, takes one optimizer step and records it: the step's metrics, how stale the
-batch was and what it was made of (`tba.tally`).
-
-The trainer runs in this process, or as `trainer.world_size` Ray actors that shard the policy;
-the searchers run as Ray actors (`searchers.count >= 1`) or, in the synchronous mode with
-`searchers.count=0`, inside this process without Ray (`tba.runtime.launch`). The loop writes
-checkpoints (`tba.checkpoint`) of its `state_dict()`, every component's state in one dict, as it
-goes and at exit; `train(..., resume=True)` continues the run in `output_dir` from its newest one.
+brings new samples in (`tba.runtime.feed`, the one place the synchronous and asynchronous modes
+differ, and where both are described), samples a batch from the buffer, sets beta by its
+schedule, takes one optimizer step and records it: the step's metrics, how stale the batch was
+and what it was made of (`tba.tally`). On the way the loop evaluates the policy on held-out
+prompts, saves snapshots of it, and writes checkpoints (`tba.checkpoint`) of its `state_dict()`,
+every component's state in one dict. `tba.run.train` wires what the loop steps and runs it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
-import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tba import evaluation
 from tba.buffer import ReplayBuffer
-from tba.checkpoint import (
-    Checkpoint,
-    check_compatible,
-    latest_checkpoint,
-    list_checkpoints,
-    save_checkpoint,
-)
-from tba.config import RunConfig, TrainConfig, dump_config
-from tba.console import plain_console
+from tba.checkpoint import Checkpoint, list_checkpoints, save_checkpoint
+from tba.config import RunConfig, TrainConfig
 from tba.core import Task
-from tba.errors import (
-    CheckpointError,
-    Interrupted,
-    RunError,
-    TrainingError,
-    first_line,
-    writing,
-)
+from tba.errors import CheckpointError, RunError, TrainingError, first_line
+from tba.eval_schedule import EvalSchedule
 from tba.evaluation import EvalFaults, EvalSettings
-from tba.interrupts import (
-    COMMAND_LINE,
-    Advice,
-    StopRequest,
-    going_on,
-    interrupted_line,
-    stop_on_interrupt,
-)
-from tba.limits import check_unfinished, limits_line, step_limit
+from tba.limits import step_limit
 from tba.objectives import ROW_MEAN_GROUP_OBJECTIVES, BetaSchedule
 from tba.peak_memory import PeakMemory
-from tba.plots import plot_curves
-from tba.policy.engines import require_vllm
-from tba.policy.model import save_policy, snapshot_weights
-from tba.policy.optimizers import check_optimizer
-from tba.policy.quantization import check_quantization
-from tba.policy.tokenizer import load_tokenizer
-from tba.rewards.scorer import check_reward_weights
+from tba.policy.model import snapshot_weights
 from tba.rng import RandomState
-from tba.run_dir import (
-    PARTIAL,
-    EventLog,
-    MetricsLog,
-    Replacement,
-    SampleLog,
-    create_run_dir,
-    own_run_dir,
-    read_metrics,
-    save_snapshot,
-    settle_replacement,
-    truncate_metrics,
-    write_whole,
-)
-from tba.runtime.feed import FEEDS, make_feed
-from tba.runtime.launch import open_searchers, open_trainer
-from tba.runtime.placement import check_devices
-from tba.runtime.pool import Searchers
-from tba.runtime.ray_cluster import check_cluster
+from tba.run_dir import EventLog, MetricsLog, Replacement, SampleLog, save_snapshot
+from tba.runtime.feed import make_feed
 from tba.runtime.ray_trainer import RankedTrainer
+from tba.runtime.searchers import Searchers
 from tba.tally import Tally
-from tba.tasks import load_task, resolve_policy
-from tba.tasks.custom import named_code
-from tba.tracking import Trackers, open_trackers, require_trackers
+from tba.tracking import Trackers
 from tba.trainer import Trainer
-from tba.trust import record_code
 
 
 def evaluate(
@@ -110,151 +55,15 @@ def evaluate(
     return metrics
 
 
-def trainer_threads(config: RunConfig) -> int | None:
-    """Torch threads of the trainer: as configured, else what its mode's feed leaves it."""
-    return config.policy.num_threads or FEEDS[config.train.mode].trainer_threads(config)
-
-
-def train(
-    config: RunConfig, console: Console | None = None, *, resume: bool = False,
-    overwrite: bool = False, task: Task | None = None,
-    save_policy: Callable[[Path], None] | None = None, advice: Advice = COMMAND_LINE,
-) -> Path:  # fmt: skip
-    """Train as `config` says, in `config.output_dir`; `resume`: continue the run there from its
-    newest checkpoint (or, when it reached its limit but its end was not saved, evaluate and save
-    it); `overwrite`: replace a run already there (kept aside until this run has its first
-    checkpoint); `task`: train on this task instead of the one `config.task` describes (the
-    Python API's own data and rewards); `save_policy(directory)`: writes the starting policy to
-    `policy.model` once the run directory exists (a model the Python API was given in memory,
-    kept with the run); `advice`: how the caller's user goes on, in its words. The run directory
-    is this process's alone until it returns (`tba.run_dir.own_run_dir`). Ctrl-C and SIGTERM
-    are handled from start to end (`stop_on_interrupt`): one that cannot wait for a step to end
-    raises `Interrupted`, which says what is kept and how to go on."""
-    console = console or plain_console()
-    with stop_on_interrupt() as stop:
-        try:
-            with contextlib.ExitStack() as owner:
-                return _train(config, console, owner, stop, resume=resume, overwrite=overwrite,
-                              task=task, save_policy=save_policy, advice=advice)  # fmt: skip
-        except BaseException as error:
-            if isinstance(error, Interrupted) or not (stop.aborting or isinstance(
-                    error, KeyboardInterrupt)):  # fmt: skip
-                raise
-            signum = stop.signal or signal.SIGINT
-            raise Interrupted(interrupted_line(stop, signum, advice), signum) from None
-
-
-def _train(
-    config: RunConfig, console: Console, owner: contextlib.ExitStack, stop: StopRequest, *,
-    resume: bool, overwrite: bool, task: Task | None,
-    save_policy: Callable[[Path], None] | None, advice: Advice,
-) -> Path:  # fmt: skip
-    threads = trainer_threads(config)
-    if threads:
-        torch.set_num_threads(threads)
-    # Missing software first, then the data: a bad file or row stops the run before any model
-    # is loaded.
-    require_trackers(config.report_to)
-    if config.searchers.engine == "vllm":
-        require_vllm()
-    check_devices(config)
-    check_cluster(config)
-    check_quantization(config)
-    check_optimizer(config.train.optimizer)
-    own_code = task is None  # the code its config names is the user's, imported below: recorded
-    checkpoint = None
-    if resume:  # the directory is ours and the checkpoint fits before any task world is built
-        run_dir = stop.run_dir = owner.enter_context(own_run_dir(Path(config.output_dir)))
-        settle_replacement(run_dir, console.log)
-        checkpoint = latest_checkpoint(run_dir, console.log)
-        check_compatible(checkpoint.state["config"], config.model_dump(), checkpoint.path)
-    if task is None:
-        task = load_task(config.task, seed=config.seed, policy_model=config.policy.model,
-                         cache_dir=config.pretrain.cache_dir, log=console.log)  # fmt: skip
-    # So is the model, unless it comes with the run (`save_policy`) and is only written below.
-    if save_policy is None:
-        policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
-    check_reward_weights(config.task.reward_weights, len(task.reward_fns))
-    replacement = None
-    if checkpoint is not None:
-        ending = check_unfinished(run_dir, checkpoint, config, len(task.train_rows), console.log)
-        truncate_metrics(run_dir / "metrics.jsonl", checkpoint.step, ending=ending)
-        if ending:  # its training is complete: what a signal leaves is still only the end
-            stop.trained = checkpoint.step
-    else:
-        run_dir, replacement = create_run_dir(config.output_dir, overwrite, console.log,
-                                              owner=owner, keep=advice.keep)  # fmt: skip
-        stop.run_dir, stop.replacement = run_dir, replacement
-    if save_policy is not None:
-        if not (Path(config.policy.model) / "config.json").exists():
-            save_policy(Path(config.policy.model))
-        policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, console.log)
-    (run_dir / "config.yaml").write_text(dump_config(config))
-    if own_code:  # what `tba eval` and `--resume` may import again without asking (`tba.trust`)
-        record_code(run_dir, list(named_code(config.task)))
-    random_state = RandomState(config.seed)
-    tokenizer = load_tokenizer(
-        str(policy_dir), chat_template=config.policy.chat_template or task.conversational
-    )
-    trackers = open_trackers(config, run_dir)
-    events = EventLog(run_dir / "events.jsonl", console.log)
-    eval_faults = EvalFaults(events)
-    console.log(f"run directory: {run_dir} ({config.train.mode} mode)")
-    console.log(limits_line(config.train, len(task.train_rows)))
-    saved_searchers = checkpoint.state["searchers"] if checkpoint else None
-    try:
-        total_steps = step_limit(config.train, len(task.train_rows))
-        with open_trainer(config, policy_dir, tokenizer.pad_token_id, events,
-                          total_steps) as trainer:  # fmt: skip
-            # Searcher processes start while the base policy is evaluated here.
-            with open_searchers(config, policy_dir, tokenizer, task, events, run_dir,
-                                saved_searchers, trainer) as searchers:  # fmt: skip
-                if checkpoint is None:
-                    stop.phase = "during the evaluation of the base policy"
-                    base = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
-                else:
-                    base = checkpoint.state["base"]
-                    events("resumed", step=checkpoint.step, checkpoint=checkpoint.path.name,
-                           discarded_in_flight=searchers.discarded_in_flight)  # fmt: skip
-                console.log("base policy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
-                stop.phase = "while starting to train"
-                loop = TrainLoop(config, trainer, searchers, random_state, tokenizer, task,
-                                 run_dir, events, trackers, base, eval_faults,
-                                 checkpoint)  # fmt: skip
-                loop.replacement = replacement
-                stop.phase, stop.after_step = "while training", True
-                loop.run(console, stop)
-                stop.phase, stop.after_step = "while stopping the searchers", False
-                if loop.at_limit(loop.train_seconds):
-                    stop.trained = trainer.step_count
-                stop.hold()  # until the searchers and their Ray instance are stopped
-            stop.release()
-            stop.phase = "during the final evaluation"
-            final = evaluate(trainer, tokenizer, task, config, eval_faults, pass_k=True)
-            stop.phase = "while saving the run"
-            summary = {"base": base, "final": final, **loop.summary()}
-            try:
-                with MetricsLog(run_dir / "metrics.jsonl", trackers) as metrics:
-                    metrics.write({"step": trainer.step_count,
-                                   "time": summary["train_minutes"] * 60, **final})  # fmt: skip
-                save_results(run_dir, summary, trainer.model, tokenizer, task.metrics)
-            except (OSError, RunError) as error:  # a full disk at the end: what is kept, how
-                if isinstance(error, OSError):  # to finish it
-                    error = f"cannot write {error.filename or run_dir} ({error.strerror or error})"
-                raise RunError(f"{error}; {going_on(stop, advice)}") from None
-    finally:
-        events.close()
-        trackers.close()
-    console.log("final policy: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
-    return run_dir
-
-
 class TrainLoop:
     """Steps until `max_steps` (or `num_epochs`), `max_minutes` or Ctrl-C, whichever comes first
     (the default job: `max_minutes` alone), evaluating and checkpointing on the way.
 
     Everything the run carries from step to step is in `state_dict()`, so that a run resumed from
-    a checkpoint continues with the same weights, buffer, sampler, counters and clock."""
+    a checkpoint continues with the same weights, buffer, sampler, counters and clock.
+    `base_seconds`: how long the base policy's evaluation took (`eval.every_minutes=auto` times
+    the first evaluation on the way by it); None for a resumed run, whose checkpoint says when
+    the next one is due."""
 
     def __init__(
         self,
@@ -270,6 +79,8 @@ class TrainLoop:
         base: dict[str, float],
         faults: EvalFaults,
         checkpoint: Checkpoint | None = None,
+        *,
+        base_seconds: float | None = None,
     ) -> None:
         self.config, self.trainer, self.searchers = config, trainer, searchers
         self.random = random_state
@@ -295,10 +106,7 @@ class TrainLoop:
         minutes = config.eval.snapshot_minutes
         self.snapshot_every = minutes * 60 if minutes else None
         self.next_snapshot = self.snapshot_every
-        minutes = config.eval.every_minutes
-        # Steps, when given, replace minutes (the paper's configs count evaluations in steps).
-        self.eval_every = minutes * 60 if minutes and config.eval.every is None else None
-        self.next_eval = self.eval_every
+        self.evals = EvalSchedule(config, task, base_seconds)
         minutes = config.checkpoint.every_minutes
         self.checkpoint_every = minutes * 60 if minutes else None
         self.next_checkpoint = self.checkpoint_every
@@ -316,6 +124,7 @@ class TrainLoop:
         self.train_seconds = 0.0
         self.stopped_by_user = False
         self.stopped_by: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
+        self.checkpointing_note: str | None = None  # the trainer's, as last said
         # The run this one replaces, set aside until this one has its first checkpoint.
         self.replacement: Replacement | None = None
         if checkpoint is not None:
@@ -352,6 +161,8 @@ class TrainLoop:
                 record = self._step(step, stop)
                 if record is None:  # interrupted while waiting for data
                     break
+                if note := self._checkpointing_changed():
+                    console.log(note)
                 if self.next_snapshot is not None and record["time"] >= self.next_snapshot:
                     if snapshot := self._snapshot(step):
                         record["snapshot"] = snapshot
@@ -404,12 +215,13 @@ class TrainLoop:
             **made_of,
         }
         eval_seconds = 0.0
-        if self._eval_due(step):
+        if self.evals.due(step, time.time() - self.start):
             eval_start = time.time()
             self.last_eval = evaluate(trainer, self.tokenizer, self.task, self.config, self.faults,
                                       pass_k=False)  # fmt: skip
             record |= self.last_eval
             eval_seconds = time.time() - eval_start
+            self.evals.evaluated(time.time() - self.start, eval_seconds)
         now = time.time()
         wait_frac = self.tally.time(wait=record["wait_seconds"], sync=record["sync_seconds"],
                                     eval=eval_seconds, total=now - step_start)  # fmt: skip
@@ -421,18 +233,15 @@ class TrainLoop:
             "trainer_wait_frac": wait_frac,
         }  # fmt: skip
 
-    def _eval_due(self, step: int) -> bool:
-        """Every `eval.every` steps; or, without it, after the first step that ends once
-        `eval.every_minutes` have passed since the last evaluation was due."""
-        every = self.config.eval.every
-        if every is not None:
-            return step % every == 0
-        elapsed = time.time() - self.start
-        if self.next_eval is None or elapsed < self.next_eval:
-            return False
-        # The next one a whole interval on, however long this step was.
-        self.next_eval = (elapsed // self.eval_every + 1) * self.eval_every
-        return True
+    def _checkpointing_changed(self) -> str | None:
+        """The trainer's gradient-checkpointing decision, when it is new since the last step
+        (`Trainer.checkpointing_note`: made at the first step, made again when a later step
+        turns checkpointing on). A sharded trainer's ranks decide in their own processes."""
+        note = getattr(self.trainer, "checkpointing_note", None)
+        if note == self.checkpointing_note:
+            return None
+        self.checkpointing_note = note
+        return note
 
     def _after_step(self, step: int, record: dict) -> None:
         """Non-finite steps and periodic checkpoints."""
@@ -511,7 +320,7 @@ class TrainLoop:
                 "last_eval": self.last_eval,
                 "next_snapshot": self.next_snapshot,
                 "next_checkpoint": self.next_checkpoint,
-                "next_eval": self.next_eval,
+                "next_eval": self.evals.next,
                 "peak_memory_mib": self.peak_memory_mib,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "checkpoint_failures": self.checkpoint_failures,
@@ -530,7 +339,7 @@ class TrainLoop:
         self.elapsed, self.warmup_seconds = loop["elapsed"], loop["warmup_seconds"]
         self.last_eval, self.next_snapshot = loop["last_eval"], loop["next_snapshot"]
         self.next_checkpoint = loop["next_checkpoint"]
-        self.next_eval = loop.get("next_eval", self.next_eval)  # older checkpoints have none
+        self.evals.next = loop.get("next_eval", self.evals.next)  # older checkpoints have none
         self.peak_memory_mib = loop.get("peak_memory_mib", 0.0)
         self.nonfinite_in_a_row = loop["nonfinite_in_a_row"]
         self.checkpoint_failures = loop["checkpoint_failures"]
@@ -576,34 +385,3 @@ def whole_generation_groups(train: TrainConfig) -> bool:
     group statistics)."""
     return (train.group_baseline == "generation" and train.loss in ROW_MEAN_GROUP_OBJECTIVES
             and (train.samples_per_prompt or train.group_size) > train.group_size)  # fmt: skip
-
-
-def save_results(
-    run_dir: Path, summary: dict, model, tokenizer, metrics: tuple[str, ...] = ("eval_pass@1",)
-) -> None:
-    """eval.json, the trained policy in final/, and the curves plot; the smallest first, so that a
-    full disk keeps what fits, and says what did not (`RunError`). eval.json and final/ are each
-    written whole or not at all, under a temporary name then renamed: a kill or a full disk
-    never leaves half of one, and a run without both has not ended (`tba.run_dir.run_ended`)."""
-    path = run_dir / "eval.json"
-    try:
-        write_whole(path, json.dumps(summary, indent=2))
-    except OSError as error:
-        raise RunError(f"cannot write {path} ({error.strerror or error})") from None
-    final, partial = run_dir / "final", run_dir / f"final{PARTIAL}"
-    try:
-        with writing(f"the trained policy in {final}"):
-            shutil.rmtree(partial, ignore_errors=True)
-            save_policy(model, partial)
-            tokenizer.save_pretrained(partial)
-            if final.exists():  # the end of this run before it was resumed
-                shutil.rmtree(final)
-            partial.rename(final)
-    except OSError as error:
-        shutil.rmtree(partial, ignore_errors=True)
-        reason = error.strerror or str(error).removeprefix(f"the trained policy in {final}: ")
-        raise RunError(f"cannot write the trained policy in {final} ({reason}); eval.json is "
-                       "written") from None  # fmt: skip
-    with contextlib.suppress(OSError):  # a plot of what metrics.jsonl holds: not worth failing
-        plot_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "curves.png",
-                    "tba train", metrics)  # fmt: skip

@@ -6,7 +6,7 @@ log-prob of each response (stored with the sample, so the trainer never runs the
 returns `Sample`s tagged with the weight version that produced them. What else a sample carries is
 what the objective's `Needs` ask for: each token's reference log-prob (`token_ref_logp`), and the
 value of every step prefix of its response, estimated from rollouts of its own (`step_values`,
-`tba.vine`).
+`tba.vine_values`).
 """
 
 from __future__ import annotations
@@ -14,77 +14,23 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tba.config import RunConfig, VinePPOSettings
+from tba.config import RunConfig
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
 from tba.objectives import OBJECTIVES
 from tba.policy.decoding import evaluating
-from tba.policy.engines import BuiltinEngine, Engine, VllmEngine, VllmSettings
+from tba.policy.engines import ENGINES, Engine
 from tba.policy.logprobs import token_logprobs
 from tba.policy.model import frozen_copy, is_lora, set_weights
 from tba.policy.sampling import Generation
 from tba.policy.tokenizer import encode_prompts
 from tba.rewards.scorer import RewardScorer, Scores, TrainerState
-from tba.vine import ValueEstimator
-
-
-@dataclass
-class SearchSettings:
-    samples_per_prompt: int
-    temperature: float  # of the policy: the log-probs of the reference are taken at it
-    max_new_tokens: int
-    truncated: str  # responses without EOS: "score" as any other, "penalize" or "drop"
-    truncation_penalty: float
-    chat_template: bool = False  # prompts wrapped in the tokenizer's chat template
-    reward_timeout_s: float = 60.0
-    max_reward_failures: int = 5
-    engine: str = "builtin"  # or "vllm" (`tba.policy.engines`)
-    sampler: str = "auto"  # the built-in engine's path (`policy.sampler`)
-    vllm: VllmSettings = VllmSettings()
-    reward_weights: list[float] | None = None  # one per reward function (None: all 1)
-    max_prompt_length: int | None = None  # longer prompts keep their last tokens
-    max_steps: int = 0  # the run's step limit, for the reward functions' `trainer_state`
-    # Exploration: the searcher samples at this temperature instead (None: `temperature`). The
-    # samples' behaviour log-probs are the sampler's, at this temperature.
-    sample_temperature: float | None = None
-    token_ref_logps: bool = False  # keep each response token's reference log-prob
-    # Samples per reference-scoring pass: the trainer's micro-batch, so that no no-grad pass
-    # holds more activations than a train pass does (None: the whole batch, as the trainer).
-    score_batch: int | None = None
-    vine: VinePPOSettings | None = None  # Monte Carlo values of step prefixes (VinePPO's)
-
-    @classmethod
-    def from_config(cls, config: RunConfig) -> SearchSettings:
-        tc = config.train
-        needs = OBJECTIVES[tc.loss].needs
-        return cls(
-            samples_per_prompt=tc.samples_per_prompt or tc.group_size,
-            temperature=config.policy.temperature,
-            max_new_tokens=config.policy.max_new_tokens,
-            truncated=tc.truncated,
-            truncation_penalty=tc.truncation_penalty,
-            reward_timeout_s=config.searchers.reward_timeout_s,
-            max_reward_failures=config.searchers.max_reward_failures,
-            chat_template=config.policy.chat_template,
-            sample_temperature=config.searchers.temperature,
-            engine=config.searchers.engine,
-            sampler=config.policy.sampler,
-            vllm=VllmSettings(**(config.searchers.vllm.model_dump() | {
-                "dtype": config.policy.dtype if config.searchers.vllm.dtype == "auto"
-                else config.searchers.vllm.dtype})),
-            reward_weights=config.task.reward_weights,
-            max_prompt_length=config.policy.max_prompt_length,
-            max_steps=tc.max_steps or 0,  # 0: no step limit, as in TRL's TrainerState
-            token_ref_logps=needs.token_ref_logp,
-            vine=tc.vineppo if needs.step_values else None,
-            score_batch=tc.micro_batch_groups * tc.group_size if tc.micro_batch_groups else None,
-        )
+from tba.vine_values import ValueEstimator
 
 
 class PromptStream:
@@ -117,7 +63,7 @@ class Searcher:
         tokenizer: PreTrainedTokenizerBase,
         rows: list[dict],
         reward_fns: list[RewardFn],
-        settings: SearchSettings,
+        config: RunConfig,
         *,
         searcher_id: int = 0,
         seed: int = 0,
@@ -126,14 +72,21 @@ class Searcher:
         stream_taken: int = 0,
         model_dir: str | None = None,
         shares_trainer_model: bool = False,
+        engine: type[Engine] | None = None,
     ) -> None:
-        """`seed` drives sampling; the prompt order comes from `stream_seed` (default: `seed`),
-        continued from position `stream_taken`. Samples are numbered per `incarnation` (a
-        restarted searcher process is a new one), so the trainer can tell a sample handed over
-        twice or never from the others. `model_dir`: where `model` was loaded from (a vLLM
-        engine loads it from there). `shares_trainer_model`: `model` is the trainer's own module
-        (in the trainer's process), which it samples with as it is when weights are published:
-        no copy of the weights, and its training mode and gradients are left to the trainer."""
+        """`config`: the run's, whose sections the searcher reads (`policy`: sampling and
+        prompts; `train`: samples per prompt, the truncation rule, the objective's needs and
+        micro-batch; `searchers`: its engine, exploration temperature and reward limits; `task`:
+        the reward weights). `seed` drives sampling; the prompt order comes from `stream_seed`
+        (default: `seed`), continued from position `stream_taken`. Samples are numbered per
+        `incarnation` (a restarted searcher process is a new one), so the trainer can tell a
+        sample handed over twice or never from the others. `model_dir`: where `model` was loaded
+        from (a vLLM engine loads it from there). `shares_trainer_model`: `model` is the
+        trainer's own module (in the trainer's process), which it samples with as it is when
+        weights are published: no copy of the weights, and its training mode and gradients are
+        left to the trainer. `engine`: the class of `config.searchers.engine` (default: the one
+        this process's `ENGINES` registers under its type; a searcher process is handed the
+        trainer's, which may hold an engine registered there alone)."""
         self.policy = model
         self.shares_trainer_model = shares_trainer_model
         # With LoRA the reference is the base model with the adapters switched off: one copy of
@@ -143,11 +96,21 @@ class Searcher:
             self.policy.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.rows = rows
+        sc, tc = config.searchers, config.train
+        self.config = config
         self.scorer = RewardScorer(
-            reward_fns, weights=settings.reward_weights, timeout_s=settings.reward_timeout_s,
-            max_failures=settings.max_reward_failures,
+            reward_fns, weights=config.task.reward_weights, timeout_s=sc.reward_timeout_s,
+            max_failures=sc.max_reward_failures,
         )  # fmt: skip
-        self.settings = settings
+        self.samples_per_prompt = tc.samples_per_prompt or tc.group_size
+        # Exploration: the searcher samples at this temperature (its samples' behaviour log-probs
+        # are the sampler's, at it); the reference's log-probs are at the policy's.
+        self.sample_temperature = sc.temperature or config.policy.temperature
+        # Samples per reference-scoring pass: the trainer's micro-batch, so that no no-grad pass
+        # holds more activations than a train pass does (None: the whole batch, as the trainer).
+        self.score_batch = tc.micro_batch_groups * tc.group_size if tc.micro_batch_groups else None
+        needs = OBJECTIVES[tc.loss].needs
+        self.token_ref_logps = needs.token_ref_logp  # each response token's reference log-prob
         self.searcher_id = searcher_id
         self.incarnation = incarnation
         self.num_generated = 0  # the next sample's sequence number
@@ -159,24 +122,19 @@ class Searcher:
             len(rows), seed if stream_seed is None else stream_seed, stream_taken
         )
         self.prompt_ids = encode_prompts(
-            tokenizer, [row["prompt"] for row in rows], chat_template=settings.chat_template,
-            max_length=settings.max_prompt_length,
+            tokenizer, [row["prompt"] for row in rows], chat_template=config.policy.chat_template,
+            max_length=config.policy.max_prompt_length,
         )  # fmt: skip
-        self.engine: Engine
-        if settings.engine == "vllm":
-            if model_dir is None:
-                raise ValueError("a vLLM engine needs the model's directory (model_dir)")
-            # It loads the base weights from the directory: fresh adapters leave them unchanged.
-            self.engine = VllmEngine(model_dir, tokenizer.eos_token_id, seed, settings.vllm)
-        else:
-            self.engine = BuiltinEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                        seed, settings.sampler)  # fmt: skip
+        engine_class = engine or ENGINES[sc.engine.type]
+        self.engine: Engine = engine_class.start(
+            model, tokenizer, seed=seed, model_dir=model_dir, policy=config.policy,
+            settings=sc.engine,
+        )  # fmt: skip
         self.values = None
-        if settings.vine is not None:
+        if needs.step_values:  # Monte Carlo values of step prefixes (VinePPO's)
             self.values = ValueEstimator(
-                self.engine, tokenizer, settings.vine, max_new_tokens=settings.max_new_tokens,
-                temperature=settings.sample_temperature or settings.temperature,
-                score=self._rollout_rewards,
+                self.engine, tokenizer, tc.vineppo, max_new_tokens=config.policy.max_new_tokens,
+                temperature=self.sample_temperature, score=self._rollout_rewards,
             )  # fmt: skip
 
     def set_weights(self, weights: dict[str, np.ndarray], version: int, step: int) -> None:
@@ -194,12 +152,12 @@ class Searcher:
     def generate(self, num_prompts: int) -> tuple[list[Sample], dict[str, float]]:
         """Samples for the next `num_prompts` prompts of the stream, and generation stats."""
         start = time.time()
-        s = self.settings
-        row_ids = [i for i in self.stream.take(num_prompts) for _ in range(s.samples_per_prompt)]
+        per_prompt = self.samples_per_prompt
+        row_ids = [i for i in self.stream.take(num_prompts) for _ in range(per_prompt)]
         prompts = [self.prompt_ids[i] for i in row_ids]
         with evaluating(self.policy):  # a shared trainer's module is in training mode
-            out = self.engine.generate(prompts, max_new_tokens=s.max_new_tokens,
-                                       temperature=s.sample_temperature or s.temperature)
+            out = self.engine.generate(prompts, max_new_tokens=self.config.policy.max_new_tokens,
+                                       temperature=self.sample_temperature)  # fmt: skip
             completions = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
             scores, rewards, reward_dropped = self._score(row_ids, completions, out)
             ref_logps, ref_token_logps = self._reference_logps(prompts, out.response_ids)
@@ -266,10 +224,10 @@ class Searcher:
         dropped); `max_reward_failures` batches in a row without one mean the run cannot train:
         `RunError`, naming why, rather than a run that waits or trains on nothing."""
         self.empty_batches = 0 if samples else self.empty_batches + 1
-        limit = self.settings.max_reward_failures
+        limit = self.config.searchers.max_reward_failures
         if self.empty_batches < limit:
             return
-        cut = sum(out.truncated) if self.settings.truncated == "drop" else 0
+        cut = sum(out.truncated) if self.config.train.truncated == "drop" else 0
         fault = self.reward_faults[-1] if self.reward_faults else None
         why = [f"{stats['reward_dropped']} without a usable reward"]
         if fault is not None:
@@ -293,25 +251,26 @@ class Searcher:
         self, prompts: list[list[int]], responses: list[list[int]]
     ) -> tuple[list[float], list[list[float]] | None]:
         """log pi_ref of each response: the frozen copy, or the base model under the adapters;
-        and, when the settings ask for them, of each of its tokens."""
+        and, where the objective needs them, of each of its tokens."""
         if self.reference is not None:
             reference, adapters_off = self.reference, contextlib.nullcontext()
         else:
             reference, adapters_off = self.policy, self.policy.disable_adapter()
-        size = self.settings.score_batch or len(prompts)
+        size = self.score_batch or len(prompts)
+        temperature = self.config.policy.temperature
         sums: list[float] = []
         rows: list[list[float]] = []
         with adapters_off:
             for start in range(0, len(prompts), size):  # the trainer's micro-batches
                 token_logps, mask = token_logprobs(
                     reference, prompts[start : start + size], responses[start : start + size],
-                    pad_id=self.tokenizer.pad_token_id, temperature=self.settings.temperature,
+                    pad_id=self.tokenizer.pad_token_id, temperature=temperature,
                 )  # fmt: skip
                 token_logps = token_logps * mask
                 sums += token_logps.sum(-1).tolist()
-                if self.settings.token_ref_logps:
+                if self.token_ref_logps:
                     rows += token_logps.tolist()
-        if not self.settings.token_ref_logps:
+        if not self.token_ref_logps:
             return sums, None
         return sums, [row[: len(response)] for row, response in zip(rows, responses)]
 
@@ -330,20 +289,21 @@ class Searcher:
         """The reward functions' scores, each completion's reward (NaN: drop it), and how many
         completions the reward functions dropped (a fault, or no function scored them). A response
         without EOS is scored as any other, or gets the truncation penalty, or is dropped
-        (`settings.truncated`)."""
+        (`train.truncated`)."""
         prompts = [self.rows[i]["prompt"] for i in row_ids]
         columns = {
             key: [self.rows[i][key] for i in row_ids] for key in self.rows[0] if key != "prompt"
         }
-        s = self.settings
+        tc = self.config.train
+        # TRL's TrainerState: max_steps 0 where the run has no step limit.
         scores = self.scorer.score(prompts, completions, out.response_ids, columns,
-                                   TrainerState(self.step, s.max_steps))  # fmt: skip
+                                   TrainerState(self.step, tc.max_steps or 0))  # fmt: skip
         self.reward_faults += scores.faults
         rewards = list(scores.totals)
         reward_dropped = 0
         for i, cut in enumerate(out.truncated):
-            if cut and s.truncated != "score":
-                rewards[i] = s.truncation_penalty if s.truncated == "penalize" else math.nan
+            if cut and tc.truncated != "score":
+                rewards[i] = tc.truncation_penalty if tc.truncated == "penalize" else math.nan
             elif math.isnan(rewards[i]):
                 reward_dropped += 1
         return scores, rewards, reward_dropped

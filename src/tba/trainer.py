@@ -4,23 +4,22 @@ The reference log-probs come with the samples; the trainer only runs the policy.
 whole inside a micro-batch, because each group's log Z_hat (or baseline) is estimated from all its
 members. The trainer takes the config's `train` section (`TrainConfig`) whole: `train.loss` names
 the objective in `tba.objectives.OBJECTIVES`, and the objective reads its own settings from the
-same section (`LossInputs.settings`). The trainer never tests the objective's name: it provides
-what the objective's `Needs` ask for. A `critic` (PPO) is learned with the policy
-(`tba.policy.values.Critic`: a value head on the policy's last hidden state, or a separate critic
-LM, as `train.ppo` sets), and each sample's values at its first use are stored with it
-(`Sample.old_values`, PPO's V_old) for its later uses; `learned_log_z` (TB) with
-`train.tb.log_z=learned` learns log Z(x) with the policy (`LearnedLogZ`); `token_ref_logp`
-(PPO, VinePPO) passes the samples' per-token reference log-probs; `group_statistics` lets
+same section (`LossInputs.settings`). The trainer never tests the objective's name: it runs the
+provider of each need the objective's `Needs` sets (`tba.needs`), which sets up what the need
+takes, fills its fields of each micro-batch's `LossInputs` and keeps its state in the
+checkpoints: a critic learned with the policy and each sample's V_old (`critic`, PPO), log Z(x)
+learned with the policy (`learned_log_z`, TB with `train.tb.log_z=learned`), the samples'
+per-token reference log-probs (`token_ref_logp`, PPO and VinePPO); `group_statistics` lets
 context samples join their groups. `baseline_kl` picks the log-probs in the baselines'
 KL-shaped reward: the `current` policy's (then RLOO's gradient is TB's) or the `behaviour`
 policy's, fixed when the sample was drawn (as in TRL's RLOO).
 
 Micro-batches are runs of whole groups, at most `train.micro_batch_groups` and at most
-`train.micro_batch_tokens` tokens. Under a token budget their rows run packed end to end where
-that runs fewer positions than padding and the policy keeps packed rows apart
-(`tba.policy.logprobs`): that changes how the forward pass is computed, not the padded (N, T)
-tensors the losses see. Each step reports the share of the positions its forward passes ran
-that were padding (`padded_frac`). `train.gradient_checkpointing=auto` is decided at the first
+`train.micro_batch_tokens` tokens (`tba.policy.micro_batches`). Under a token budget their rows
+run packed end to end where that runs fewer positions than padding and the policy keeps packed
+rows apart (`tba.policy.logprobs`): that changes how the forward pass is computed, not the padded
+(N, T) tensors the losses see. Each step reports the share of the positions its forward passes
+ran that were padding (`padded_frac`). `train.gradient_checkpointing=auto` is decided at the first
 step from an estimate of the step's activations and the device's free memory
 (`tba.policy.activation_memory`), again while it is off; `checkpointing_note` says the decision
 in one line, for the run's log.
@@ -42,7 +41,7 @@ The optimizer (AdamW, with `weight_decay` on the matrices only; torch's, or bits
 LoRA: the adapters), and bf16 weights through fp32 master copies, or in place with Kahan
 compensation (`train.master_weights`, `tba.policy.precision`); the loss is computed in fp32.
 The learning rate warms up over `warmup_steps`, then stays or decays to 0 at the run's last step
-(`lr_schedule`, `tba.objectives.schedules.lr_factor`).
+(`lr_schedule`, `tba.lr_schedule.lr_factor`).
 """
 
 from __future__ import annotations
@@ -50,9 +49,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -61,11 +58,22 @@ from transformers import PreTrainedModel
 
 from tba.config import RunConfig, TrainConfig
 from tba.core import Sample
+from tba.lr_schedule import LRSchedule, warmup_steps_for
+from tba.needs import PROVIDERS, PolicyPass, Provider, providers_for
 from tba.objectives import OBJECTIVES, LossInputs
-from tba.objectives.schedules import LRSchedule, warmup_steps_for
 from tba.policy.activation_memory import ModelShape, checkpointing_choice, rows_for
-from tba.policy.batching import packed_positions, padded_positions, real_positions
+from tba.policy.batching import packed_positions, padded_positions
 from tba.policy.logprobs import packs_rows, shares_prompts, token_logprobs_and_states
+from tba.policy.micro_batches import (
+    ForwardPositions,
+    distinct_context,
+    flattened,
+    micro_batch_runs,
+    padded_rows,
+    padded_width,
+    prompts_and_responses,
+    stack_padded,
+)
 from tba.policy.model import (
     checkpoint_state,
     enable_checkpointing,
@@ -76,49 +84,11 @@ from tba.policy.model import (
 )
 from tba.policy.optimizers import build_optimizer, flat_param_state, load_optimizer_state
 from tba.policy.precision import trainable_weights
-from tba.policy.values import Critic
 
 RATIO_BAND = 0.2  # `ratio_out_frac`: share of sequences whose ratio left [0.8, 1.2]
-
-
-class LearnedLogZ(torch.nn.Module):
-    """log Z(x) learned with the policy (as in GFlowNet red-teaming): a linear head on the mean
-    of the prompt's input embeddings, read without gradient into the policy. Its bias starts at
-    the first batch's VarGrad estimate, mean(-delta), so that it does not spend its first
-    hundreds of steps climbing from 0 to a log Z of -20."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        super().__init__()
-        # token ids -> input embeddings: the policy's own embedding layer, or (sharded) a lookup
-        # in the table gathered for the step. Not a submodule: the head owns no policy weight.
-        self.embed: Callable[[torch.Tensor], torch.Tensor] = model.get_input_embeddings().forward
-        first = next(model.parameters())
-        width = model.get_input_embeddings().embedding_dim
-        self.head = torch.nn.Linear(width, 1, device=first.device)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-        self.ready = False
-
-    def forward(
-        self, flat: list[Sample], logp: torch.Tensor, ref_logp: torch.Tensor,
-        rewards: torch.Tensor, beta: float,
-    ) -> torch.Tensor:  # fmt: skip
-        """log Z of each sample's prompt, shape (N,)."""
-        if not self.ready:
-            with torch.no_grad():
-                self.head.bias.fill_(self._mean(rewards / beta - logp + ref_logp))
-            self.ready = True
-        device = self.head.weight.device
-        with torch.no_grad():
-            pooled = torch.stack([
-                self.embed(torch.tensor(s.prompt_ids, device=device)).float().mean(0)
-                for s in flat
-            ])  # fmt: skip
-        return self.head(pooled).squeeze(-1)
-
-    def _mean(self, values: torch.Tensor) -> float:
-        """The mean of `values` (when sharded: over every rank's)."""
-        return float(values.mean())
+# What the trainer's checkpoints keep of the optimizer beside its groups' states: the fp32
+# masters of bf16 weights, or their Kahan compensations (`tba.policy.precision`).
+WEIGHT_KEYS = ("master", "kahan")
 
 
 def trainer_settings(config: RunConfig, pad_id: int, total_steps: int | None) -> dict[str, Any]:
@@ -190,7 +160,9 @@ class Trainer(WeightVersions):
     `publish` a new version of its weights (read with `weights`, or as the module itself), and
     `state_dict` for checkpoints."""
 
-    log_z_class = LearnedLogZ  # one per rank when sharded (`tba.runtime.fsdp`)
+    # The provider of each need it serves (`tba.needs`); a sharded trainer's differ where one
+    # rank's provider does (`tba.runtime.fsdp`).
+    provider_classes: ClassVar[dict[str, type[Provider]]] = PROVIDERS
 
     # The last decision about gradient checkpointing, as one line for the run's log: set at the
     # first step, and again when a later step turns checkpointing on (`_settle_checkpointing`).
@@ -214,7 +186,6 @@ class Trainer(WeightVersions):
         self.settings = settings
         self.loss = settings.loss
         self.objective = OBJECTIVES[settings.loss]
-        needs = self.objective.needs
         self.model = model.train()
         self.pad_id = pad_id
         self.temperature = temperature
@@ -226,22 +197,12 @@ class Trainer(WeightVersions):
         self.masters = trainable_weights([p for p in model.parameters() if p.requires_grad],
                                          settings.master_weights)  # fmt: skip
         groups = decay_groups(self.masters.params, settings.learning_rate, settings.weight_decay)
-        # TB's log Z: VarGrad's per-group estimate, or learned with the policy at its own rate.
-        learned = needs.learned_log_z and settings.tb.log_z == "learned"
-        self.log_z_head = self.log_z_class(model) if learned else None
-        if self.log_z_head is not None:
-            groups.append({"params": list(self.log_z_head.parameters()),
-                           "lr": settings.tb.log_z_lr})  # fmt: skip
-        # PPO's critic: its head at its own rate, a separate critic LM at `critic_lr` (by
-        # default the policy's).
-        self.critic = None
-        if needs.critic:
-            critic_lr = settings.ppo.critic_lr
-            self.critic = Critic(model, separate=settings.ppo.value_model == "critic",
-                                 head_lr=settings.ppo.value_lr,
-                                 trunk_lr=settings.learning_rate if critic_lr is None
-                                 else critic_lr)  # fmt: skip
-            groups += self.critic.groups
+        # What the objective's needs take (a critic, a learned log Z, ...), by need: each
+        # trained at its own rates, in groups after the policy's.
+        self.providers: dict[str, Provider] = providers_for(
+            self.objective.needs, model, settings, self.provider_classes)  # fmt: skip
+        for provider in self.providers.values():
+            groups += provider.groups
         # Adam (AdamW: weight decay decoupled from the gradient's moments, and only where a
         # group asks for it): torch's, or bitsandbytes' with 8-bit moments (train.optimizer).
         self.optimizer = build_optimizer(settings.optimizer, groups,
@@ -266,8 +227,8 @@ class Trainer(WeightVersions):
         micro-batches are runs of whole groups, at most `train.micro_batch_groups` of them and
         at most `train.micro_batch_tokens` tokens (`micro_batch_runs`)."""
         runs = micro_batch_runs(groups, self.micro_batch_groups, self.settings.micro_batch_tokens)
-        micro_batches = [_flat(groups[run]) for run in runs]
-        contexts = [_flat(context[run]) for run in runs] if context else None
+        micro_batches = [flattened(groups[run]) for run in runs]
+        contexts = [flattened(context[run]) for run in runs] if context else None
         return self._step(micro_batches, beta, total=sum(len(g) for g in groups),
                           contexts=contexts)  # fmt: skip
 
@@ -283,37 +244,40 @@ class Trainer(WeightVersions):
         self._settle_checkpointing(micro_batches[: len(micro_batches) - padding])
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        self._before_micro_batches()
+        providers = self.providers.values()
+        for provider in providers:
+            provider.before_micro_batches()
         self._positions = ForwardPositions()
         sums: dict[str, float] = {"tokens": 0.0}
-        for index, flat in enumerate(micro_batches):
+        for index, samples in enumerate(micro_batches):
             counted = index < len(micro_batches) - padding
-            loss, stats = self._loss(flat, beta, contexts[index] if contexts else [])
+            loss, stats = self._loss(samples, beta, contexts[index] if contexts else [])
             # Weighted so that the accumulated gradient is that of the mean over the whole batch.
-            (loss * (len(flat) / total * self.gradient_scale if counted else 0.0)).backward()
+            (loss * (len(samples) / total * self.gradient_scale if counted else 0.0)).backward()
             self.masters.grads_to_masters()
-            if self.critic is not None:
-                self.critic.grads_to_masters()
+            for provider in providers:
+                provider.after_backward()
             if not counted:
                 continue
             for key, value in {"loss": loss.item(), **stats}.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * len(flat)
-            sums["tokens"] += sum(len(s.prompt_ids) + len(s.response_ids) for s in flat)
+                sums[key] = sums.get(key, 0.0) + float(value) * len(samples)
+            sums["tokens"] += sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         sums |= {"positions_run": self._positions.run, "positions_real": self._positions.real}
         sums = self._sum_over_ranks(sums)
+        for provider in providers:
+            provider.after_micro_batches()
         grad_norm = self._clip_grad_norm()
-        critic = {}
-        if self.critic is not None:  # clipped apart: its gradient is not the policy's
-            critic["value_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
-                self.critic.parameters(), self.max_grad_norm))  # fmt: skip
+        clipped_apart = {}  # the providers' gradients, clipped apart from the policy's
+        for provider in providers:
+            clipped_apart |= provider.clip(self.max_grad_norm)
         # One inf or NaN would poison Adam's moments for good: skip the update instead.
         finite = math.isfinite(sums["loss"]) and math.isfinite(grad_norm) and all(
-            math.isfinite(value) for value in critic.values())  # fmt: skip
+            math.isfinite(value) for value in clipped_apart.values())  # fmt: skip
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the policy's, by its schedule
         if finite:
             self.masters.step(self.optimizer)  # and the model's weights from what it updated
-            if self.critic is not None:
-                self.critic.masters_to_model()
+            for provider in providers:
+                provider.after_update()
             self.schedule.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -325,7 +289,7 @@ class Trainer(WeightVersions):
         return {
             **{key: value / total for key, value in sums.items()},
             "grad_norm": grad_norm,  # before clipping
-            **critic,
+            **clipped_apart,
             "clip_factor": min(1.0, self.max_grad_norm / (grad_norm + 1e-6)),
             "learning_rate": learning_rate,
             "skipped": float(not finite),
@@ -365,19 +329,19 @@ class Trainer(WeightVersions):
         padded one's rows, each as long as its longest prompt plus its longest response; with a
         token budget, rows as long as the longest row that hold the budget (or the largest
         micro-batch, where one group alone is over it)."""
-        layouts = [(len(flat), _padded_width(flat)) for flat in micro_batches]
+        layouts = [(len(samples), padded_width(samples)) for samples in micro_batches]
         rows, tokens = max(layouts, key=lambda layout: layout[0] * layout[1])
         budget = self.settings.micro_batch_tokens
         if budget is None:
             return rows, tokens
-        width = max(len(s.prompt_ids) + len(s.response_ids) for flat in micro_batches
-                    for s in flat)  # fmt: skip
-        largest = max(self._forward_positions(flat) for flat in micro_batches)
+        width = max(len(s.prompt_ids) + len(s.response_ids) for samples in micro_batches
+                    for s in samples)  # fmt: skip
+        largest = max(self._forward_positions(samples) for samples in micro_batches)
         return rows_for(max(budget, largest), width), width
 
     def _forward_positions(self, samples: list[Sample]) -> int:
         """Token positions a forward pass of `samples` runs without checkpointing."""
-        prompts, responses = _rows(samples)
+        prompts, responses = prompts_and_responses(samples)
         if self._packs(prompts, responses):
             return packed_positions(prompts, responses)
         return padded_positions(prompts, responses, share_prompts=False)
@@ -396,10 +360,7 @@ class Trainer(WeightVersions):
             self._packing = packs_rows(self.model)
         return self._packing
 
-    # One process holds the whole model: nothing to gather or add up (`tba.runtime.fsdp` does).
-    def _before_micro_batches(self) -> None:
-        """What a step needs before its first micro-batch: nothing here."""
-
+    # One process holds the whole model: nothing to add up (`tba.runtime.fsdp` does).
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
         return sums
 
@@ -409,8 +370,9 @@ class Trainer(WeightVersions):
     # ----------------------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """`model` and `optimizer`: tensors (Adam's moments, fp32 masters, the learned log Z);
-        everything else JSON values."""
+        """`model` and `optimizer`: tensors (Adam's moments, fp32 masters, and each provider's
+        under its key: `<key>.<name>`); everything else JSON values (a provider's other state:
+        `<key>_<name>`)."""
         optimizer = self.optimizer.state_dict()
         tensors, scalars = {}, {}
         for index, values in optimizer["state"].items():
@@ -427,36 +389,30 @@ class Trainer(WeightVersions):
             "schedule": self.schedule.state_dict(),  # its lambda is code: saved as null
             **self.versions_state(),
         }
-        if self.log_z_head is not None:
-            for name, value in self.log_z_head.state_dict().items():
-                tensors[f"log_z.{name}"] = value
-            state["log_z_ready"] = self.log_z_head.ready
-        if self.critic is not None:
-            for name, value in self.critic.state_tensors().items():
-                tensors[f"value.{name}"] = value
+        for provider in self.providers.values():
+            tensors.update({f"{provider.key}.{name}": value
+                            for name, value in provider.state_tensors().items()})  # fmt: skip
+            state.update({f"{provider.key}_{name}": value
+                          for name, value in provider.state().items()})  # fmt: skip
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_checkpoint_state(self.model, state["model"])
         optimizer: dict[int, dict] = {}
-        head: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor] = {}  # fp32 masters, or the compensation of bf16 weights
-        critic: dict[str, torch.Tensor] = {}
+        parts: dict[str, dict[str, torch.Tensor]] = {}  # the providers', by key
         for key, value in [*state["optimizer"].items(), *state["optimizer_scalars"].items()]:
             index, name = key.split(".", 1)
-            if index in ("master", "kahan"):
+            if index in WEIGHT_KEYS:
                 weights[key] = value
-            elif index == "log_z":
-                head[name] = value
-            elif index == "value":
-                critic[name] = value
-            else:
+            elif index.isdigit():
                 optimizer.setdefault(int(index), {})[name] = value
-        if self.log_z_head is not None:
-            self.log_z_head.load_state_dict(head)
-            self.log_z_head.ready = state["log_z_ready"]
-        if self.critic is not None:
-            self.critic.load_state_tensors(critic)
+            else:
+                parts.setdefault(index, {})[name] = value
+        for provider in self.providers.values():
+            provider.load_state_tensors(parts.get(provider.key, {}))
+            provider.load_state({name: state[f"{provider.key}_{name}"]
+                                 for name in provider.state()})  # fmt: skip
         self.masters.load_state_tensors(weights)
         load_optimizer_state(self.optimizer, optimizer, state["param_groups"])
         self.schedule.load_state_dict(state["schedule"])
@@ -467,50 +423,39 @@ class Trainer(WeightVersions):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective on one micro-batch, and its metrics (means over its samples; the
         objective's own over the groups' members, `context` included)."""
-        needs = self.objective.needs
-        if context and not needs.group_statistics:
+        if context and not self.objective.needs.group_statistics:
             raise ValueError(f"{self.loss} has no group statistics for context samples to enter")
         context = distinct_context(context, trained)
-        flat = trained + context
+        rows = trained + context
         device = next(self.model.parameters()).device
-        ref_logp = torch.tensor([s.ref_logp for s in flat], device=device)
-        rewards = torch.tensor([s.reward for s in flat], device=device)
-        group_ids = torch.tensor([s.prompt_id for s in flat], device=device)
+        ref_logp = torch.tensor([s.ref_logp for s in rows], device=device)
+        rewards = torch.tensor([s.reward for s in rows], device=device)
+        group_ids = torch.tensor([s.prompt_id for s in rows], device=device)
         token_logp, mask, states = self._token_logprobs(trained)
         if context:
             with torch.no_grad():
                 context_logp, context_mask, _ = self._token_logprobs(context)
-            token_logp = _stack_padded(token_logp, context_logp)
-            mask = _stack_padded(mask, context_mask)
+            token_logp = stack_padded(token_logp, context_logp)
+            mask = stack_padded(mask, context_mask)
         logp = token_logp.sum(dim=1)
-        behaviour_logp = torch.tensor([s.behaviour_logp for s in flat], device=device)
+        behaviour_logp = torch.tensor([s.behaviour_logp for s in rows], device=device)
         log_ratio = logp[: len(trained)].detach() - behaviour_logp[: len(trained)]
         band = math.log(1.0 - RATIO_BAND), math.log(1.0 + RATIO_BAND)
         drift = {
             "ratio_out_frac": float(((log_ratio < band[0]) | (log_ratio > band[1])).float().mean()),
             "log_ratio_abs": float(log_ratio.abs().mean()),
         }
-        log_z = None
-        if self.log_z_head is not None:
-            log_z = self.log_z_head(flat, logp.detach(), ref_logp, rewards, beta)
-        width = token_logp.shape[1]
-        values = ref_tokens = old_values = None
-        if needs.token_ref_logp:
-            ref_tokens = _padded([s.ref_token_logps for s in flat], width, device)
-        if self.critic is not None:
-            values = self.critic.values([s.prompt_ids for s in flat],
-                                        [s.response_ids for s in flat], pad_id=self.pad_id,
-                                        policy_states=states)  # fmt: skip
-            store_old_values(trained, values)
-            old_values = _padded([s.old_values for s in flat], width, device)
-        loss, stats = self.objective(
-            LossInputs(
-                token_logp, mask, _padded([s.behaviour_token_logps for s in flat], width, device),
-                rewards, ref_logp, group_ids, beta=beta, settings=self.settings, samples=flat,
-                kl_logp=behaviour_logp if self.settings.baseline_kl == "behaviour" else None,
-                log_z=log_z, ref_token_logp=ref_tokens, values=values, old_values=old_values,
-            )
+        inputs = LossInputs(
+            token_logp=token_logp, mask=mask, rewards=rewards, ref_logp=ref_logp,
+            group_ids=group_ids, beta=beta, settings=self.settings, samples=rows,
+            behaviour_token_logp=padded_rows([s.behaviour_token_logps for s in rows],
+                                             token_logp.shape[1], device),
+            kl_logp=behaviour_logp if self.settings.baseline_kl == "behaviour" else None,
         )  # fmt: skip
+        forward = PolicyPass(logp, states, trained=len(trained), pad_id=self.pad_id)
+        for provider in self.providers.values():
+            provider.provide(inputs, forward)
+        loss, stats = self.objective(inputs)
         stats = {**{key: float(value) for key, value in stats.items()}, **drift}
         if context:
             # Context rows' log-probs are detached: each adds a constant to the loss and nothing
@@ -518,7 +463,7 @@ class Trainer(WeightVersions):
             # makes the gradient that of the mean over the trained rows, their groups'
             # statistics whole; the loss reported is the mean over the groups' members.
             stats["loss"] = loss.item()
-            loss = loss * (len(flat) / len(trained))
+            loss = loss * (len(rows) / len(trained))
         return loss, stats
 
     def _token_logprobs(
@@ -526,7 +471,7 @@ class Trainer(WeightVersions):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The policy's per-token log-probs of `samples` (`token_logprobs_and_states`), their
         rows packed where `_packs` says so, padded otherwise; the positions run counted."""
-        prompts, responses = _rows(samples)
+        prompts, responses = prompts_and_responses(samples)
         packed = self._packs(prompts, responses)
         if self._positions is not None:
             self._positions.add(prompts, responses, packed, shares_prompts(self.model))
@@ -534,102 +479,6 @@ class Trainer(WeightVersions):
                                          temperature=self.temperature, packed=packed)  # fmt: skip
 
 
-@dataclass
-class ForwardPositions:
-    """The token positions the policy's forward passes ran in a step, and how many of them held
-    a real token (not padding): `padded_frac` = 1 - real / run."""
-
-    run: int = 0
-    real: int = 0
-
-    def add(self, prompts: list[list[int]], responses: list[list[int]], packed: bool,
-            shared: bool) -> None:  # fmt: skip
-        """One forward pass: packed rows, or padded ones (prompts `shared` or not)."""
-        shared = shared and not packed
-        self.run += (packed_positions(prompts, responses) if packed
-                     else padded_positions(prompts, responses, shared))  # fmt: skip
-        self.real += real_positions(prompts, responses, shared)
-
-
-def micro_batch_runs(groups: list[list[Sample]], chunk: int | None,
-                     token_budget: int | None = None) -> list[slice]:  # fmt: skip
-    """The batch's micro-batches as consecutive runs of whole groups: at most `chunk` groups
-    (None: any number), and at most `token_budget` prompt and response tokens (None: any
-    number); a group over the budget alone is a micro-batch of its own."""
-    runs, first, tokens = [], 0, 0
-    for index, group in enumerate(groups):
-        size = sum(len(s.prompt_ids) + len(s.response_ids) for s in group)
-        full = chunk is not None and index - first == chunk
-        over = token_budget is not None and index > first and tokens + size > token_budget
-        if full or over:
-            runs.append(slice(first, index))
-            first, tokens = index, 0
-        tokens += size
-    return [*runs, slice(first, len(groups))] if groups else []
-
-
-def micro_batch_split(groups: list[list[Sample]], chunk: int | None,
-                      token_budget: int | None = None) -> list[list[Sample]]:  # fmt: skip
-    """The micro-batches of `micro_batch_runs`, each flattened into one list of samples."""
-    return [_flat(groups[run]) for run in micro_batch_runs(groups, chunk, token_budget)]
-
-
-def _flat(groups: list[list[Sample]]) -> list[Sample]:
-    return [s for group in groups for s in group]
-
-
-def _rows(samples: list[Sample]) -> tuple[list[list[int]], list[list[int]]]:
-    """The prompts and the responses of `samples`."""
-    return [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-
-
-def _padded_width(samples: list[Sample]) -> int:
-    """The length of a padded row of `samples`: the longest prompt and the longest response."""
-    return max(len(s.prompt_ids) for s in samples) + max(len(s.response_ids) for s in samples)
-
-
 def _ranks() -> int:
     """Trainer ranks stepping together (`tba.runtime.fsdp`): 1 unless a process group is up."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def store_old_values(samples: list[Sample], values: torch.Tensor) -> None:
-    """PPO's V_old: the critic's values of each sample at its first use in training (its row of
-    `values`, detached, to its response's length), kept with the sample (`Sample.old_values`,
-    in the buffer and its checkpoints) for every later use; a sample that has them keeps them.
-    `values`' first rows are `samples`'."""
-    rows = values.detach().float().cpu()
-    for index, s in enumerate(samples):
-        if s.old_values is None:
-            s.old_values = rows[index, : len(s.response_ids)].tolist()
-
-
-def distinct_context(context: list[Sample], trained: list[Sample]) -> list[Sample]:
-    """Each context sample once, and none that the micro-batch trains on: groups of one prompt
-    drawn from one generation in the same micro-batch (parts of a group split across steps)
-    share their generation's other samples, and each enters the group's statistics once."""
-    seen = {id(s) for s in trained}
-    distinct = []
-    for s in context:
-        if id(s) not in seen:
-            seen.add(id(s))
-            distinct.append(s)
-    return distinct
-
-
-def _stack_padded(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
-    """Rows of two right-padded (N, T) tensors as one, padded with zeros to the wider."""
-    width = max(top.shape[1], bottom.shape[1])
-    pad = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (top, bottom)]
-    return torch.cat(pad)
-
-
-def _padded(rows: list[list[float] | None], width: int, device) -> torch.Tensor | None:
-    """Per-token values of each sample (N, width), right-padded with zeros like the policy's
-    token log-probs; None unless every sample has them (the objectives that need them say so)."""
-    if any(row is None for row in rows):
-        return None
-    padded = torch.zeros(len(rows), width)
-    for index, row in enumerate(rows):
-        padded[index, : len(row)] = torch.tensor(row)
-    return padded.to(device)

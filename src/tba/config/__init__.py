@@ -11,16 +11,20 @@ The modules, top to bottom (`lint-imports` keeps them layered):
 - `run`: `RunConfig`, the whole tree, with `eval`, `checkpoint` and the rules across sections;
 - the sections: `policy` (policy, pretrain, lora, quantization), `task` (task, task.redteam),
   `train` (train and its objectives' sections train.tb, train.ppo, train.vineppo), `runtime`
-  (buffer, searchers, searchers.vllm, trainer, ray);
+  (buffer, searchers, trainer, ray);
 - `devices` (device names, the GPUs a searcher sees), `presets` (`TASK_PRESETS`), `aliases`
-  (renamed keys);
-- `base` (`Section`) and `keys` (dotted keys in nested dicts).
+  (renamed keys), and the sections of several kinds, a `type` naming each kind: `engines`
+  (searchers.engine, `ENGINE_SETTINGS`) and `transfer` (searchers.weight_transfer);
+- `base` (`Section`, defined in `tba.section`) and `keys` (dotted keys in nested dicts).
+
+An objective's own section of `train` is its registry entry's: its class (`TBSettings`,
+`PPOSettings`, `VinePPOSettings`) lives with its loss in `tba.objectives`, re-exported here.
 
 Each cross-setting rule is a named function in its section's module (`TRAIN_RULES`,
 `TASK_RULES`, `RUN_RULES` list them in the order they are checked).
 """
 
-from tba.config.aliases import ALIASES, OBJECTIVE_SECTIONS
+from tba.config.aliases import ALIASES
 from tba.config.base import Section
 from tba.config.devices import (
     DEVICE_PATTERN,
@@ -29,33 +33,37 @@ from tba.config.devices import (
     check_searcher_devices,
     cuda_index,
 )
+from tba.config.engines import (
+    ENGINE_SETTINGS,
+    BuiltinEngineSettings,
+    EngineSettings,
+    VllmEngineSettings,
+    register_engine_settings,
+)
 from tba.config.loading import apply_overrides, first_error_line, load_config, section_message
 from tba.config.policy import LoraConfig, PolicyConfig, PretrainConfig, QuantizationConfig
 from tba.config.presets import TASK_PRESETS
 from tba.config.reference import dump_config, reference_page, reference_table
 from tba.config.run import CheckpointConfig, EvalConfig, RunConfig
-from tba.config.runtime import (
-    BufferConfig,
-    RayConfig,
-    SearchersConfig,
-    TrainerConfig,
-    VllmConfig,
-)
+from tba.config.runtime import BufferConfig, RayConfig, SearchersConfig, TrainerConfig
 from tba.config.task import DATASET_TASKS, EMBEDDED_TASKS, RedteamConfig, TaskConfig
-from tba.config.train import PPOSettings, TBSettings, TrainConfig, VinePPOSettings
+from tba.config.train import TrainConfig
 from tba.errors import ConfigError  # defined there; importable from here too
+from tba.objectives import PPOSettings, TBSettings, VinePPOSettings
 
 __all__ = [
     "ALIASES",
     "DATASET_TASKS",
     "DEVICE_PATTERN",
     "EMBEDDED_TASKS",
-    "OBJECTIVE_SECTIONS",
+    "ENGINE_SETTINGS",
     "TASK_PRESETS",
     "BufferConfig",
+    "BuiltinEngineSettings",
     "CheckpointConfig",
     "ConfigError",
     "Device",
+    "EngineSettings",
     "EvalConfig",
     "LoraConfig",
     "PPOSettings",
@@ -72,7 +80,7 @@ __all__ = [
     "TrainConfig",
     "TrainerConfig",
     "VinePPOSettings",
-    "VllmConfig",
+    "VllmEngineSettings",
     "_check_searcher_devices",
     "apply_overrides",
     "check_searcher_devices",
@@ -82,5 +90,6 @@ __all__ = [
     "load_config",
     "reference_page",
     "reference_table",
+    "register_engine_settings",
     "section_message",
 ]

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from tba.keys import has_key, pop_key, set_key
+from tba.objectives import objective_settings
 
 ALIASES: dict[str, str] = {
     "train.trust_region": "train.tb.trust_region",
@@ -30,10 +31,10 @@ ALIASES: dict[str, str] = {
     "train.vineppo_rollouts": "train.vineppo.rollouts",
     "train.vineppo_max_states": "train.vineppo.max_states",
     "train.vineppo_delimiter": "train.vineppo.delimiter",
-}
-
-# The sections of `train` that hold one objective's settings, and the `train.loss` of each.
-OBJECTIVE_SECTIONS = {"tb": "tb", "ppo": "ppo", "vineppo": "vineppo"}
+    **{f"searchers.vllm.{name}": f"searchers.engine.{name}" for name in (
+        "gpu_memory_utilization", "kv_cache_gb", "max_model_len", "dtype", "tensor_parallel_size",
+        "enforce_eager")},
+}  # fmt: skip
 
 # `TrainConfig` attributes under their old names: name -> (section, field).
 TRAIN_ATTRIBUTES: dict[str, tuple[str, str]] = {
@@ -62,10 +63,11 @@ def other_name(dotted: str) -> str | None:
 
 def objective_of(dotted: str) -> str | None:
     """The `train.loss` that a setting applies to alone (`train.ppo.value_coef`: ppo), else
-    None (it applies to every loss)."""
+    None (it applies to every loss). An objective's own section bears its name (its entry in
+    the registry names the section's class: `objective_settings`)."""
     parts = dotted.split(".")
-    if len(parts) == 3 and parts[0] == "train":
-        return OBJECTIVE_SECTIONS.get(parts[1])
+    if len(parts) == 3 and parts[0] == "train" and parts[1] in objective_settings():
+        return parts[1]
     return None
 
 
@@ -92,3 +94,18 @@ def drop_inert(data: dict[str, Any], renamed: set[str], loss: Any, prefix: str =
         objective = objective_of(new)
         if objective is not None and objective != loss and has_key(data, new.removeprefix(prefix)):
             pop_key(data, new.removeprefix(prefix))
+
+
+def rename_engine_keys(data: dict[str, Any], engine: str) -> None:
+    """Move the vLLM engine's settings given by their old names (`searchers.vllm.*`) in `data`
+    (the searchers section, its `engine` a mapping; `SearchersConfig` calls this as it is
+    validated) to the engine's section, in place (with the notice), where `engine` (its type) is
+    vLLM. With another engine they are dropped, as `drop_inert` drops another objective's: they
+    never had an effect there, and a run directory's config.yaml written before the rename lists
+    them all. Both names of one setting given: ValueError."""
+    renamed = rename_old_keys(data, prefix="searchers.")
+    if engine != "vllm":
+        for new in renamed:
+            pop_key(data, new.removeprefix("searchers."))
+    if data.get("vllm") == {}:
+        del data["vllm"]

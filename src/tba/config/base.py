@@ -1,26 +1,14 @@
-"""What every section of the configuration is."""
+"""What every section of the configuration is: a `Section` (`tba.section`, below the
+objectives too, whose own settings are sections of `train`), and how a section of several kinds
+reads its value."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ValidationError
 
-
-class Section(BaseModel):
-    # strict: `true` is not a number and `"8"` is not an int; a typo must not pass as a value.
-    # Every number finite: `.inf` as a learning rate trains one step, then fails somewhere deep.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True,
-                              allow_inf_nan=False)  # fmt: skip
-    # A section of several kinds (a union discriminated on one field): that field's name, which
-    # a bare value given for the whole section sets (`searchers.weight_transfer=broadcast` is
-    # `searchers.weight_transfer.type=broadcast`); None for a section of one kind.
-    shorthand: ClassVar[str | None] = None
-
-    @classmethod
-    def variants(cls) -> dict[str, type[Section]]:
-        """A section of several kinds: each kind's class, by the value of `shorthand`."""
-        return {}
+from tba.section import Section
 
 
 def expand_shorthand(section: type[Section], value: Any) -> Any:
@@ -28,6 +16,36 @@ def expand_shorthand(section: type[Section], value: Any) -> Any:
     if section.shorthand is not None and not isinstance(value, dict | BaseModel):
         return {section.shorthand: value}
     return value
+
+
+def kind_settings(section: type[Section], value: Any, key: str, noun: str) -> Any:
+    """A value given for `section`, a section of several kinds, as its kind's settings: a bare
+    value stands for the mapping `{shorthand: value}`; a mapping is validated against the class
+    its kind names (`section.variants()`), as a union discriminated on `shorthand` would be. What
+    is wrong is a `ValueError` of one line naming the setting under `key` (`noun`: what a kind
+    is called in it, "transport", "engine")."""
+    if isinstance(value, section):
+        return value
+    value = expand_shorthand(section, value)
+    if not isinstance(value, dict):
+        return value  # pydantic says what is wrong with it
+    field = section.shorthand
+    kinds = section.variants()
+    name = value.get(field, section.model_fields[field].default)
+    if not isinstance(name, str) or name not in kinds:
+        raise ValueError(f"{key}.{field}: unknown {noun} {name!r:.80}; known: "
+                         f"{', '.join(kinds)}")  # fmt: skip
+    try:
+        return kinds[name].model_validate(value)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "extra_forbidden":
+            allowed = ", ".join(kinds[name].model_fields)
+            raise ValueError(f"{key}.{where}: not a setting of the {name!r} {noun} (its "
+                             f"settings: {allowed})") from None  # fmt: skip
+        message = first["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{key}.{where}: {message} (got {first.get('input')!r:.80})") from None
 
 
 def is_section(field) -> bool:

@@ -38,17 +38,17 @@ def _check_searcher_devices(config: Any) -> None:
     sc = config.searchers
     if sc.count == 0:
         return
-    # A vLLM engine with tensor parallelism spans that many whole GPUs of its process.
-    engine = sc.vllm.tensor_parallel_size if sc.engine == "vllm" else 1
+    # An engine that spans several GPUs (a vLLM engine with tensor parallelism) spans that many
+    # whole GPUs of its process.
+    engine = sc.engine.gpus()
     if sc.num_gpus != "auto" and engine > 1 and sc.num_gpus < engine:
-        raise ValueError(f"searchers.vllm.tensor_parallel_size={engine} needs "
-                         f"searchers.num_gpus >= {engine} (or auto): each searcher's engine spans "
-                         f"that many whole GPUs, and it sees only those it reserves "
-                         f"(searchers.num_gpus={sc.num_gpus:g})")  # fmt: skip
-    # Where there is a GPU, `auto` gives each searcher whole GPUs (one, or a vLLM engine's
-    # tensor_parallel_size) or a share of one (`tba.runtime.placement.searcher_gpus`): cuda:0
-    # at most, or cuda:0 to cuda:tensor_parallel_size-1; where there is none, the run's start
-    # says so (`tba.runtime.placement.check_devices`).
+        raise ValueError(f"{sc.engine.gpus_named()} needs searchers.num_gpus >= {engine} "
+                         "(or auto): each searcher's engine spans that many whole GPUs, and it "
+                         f"sees only those it reserves (searchers.num_gpus={sc.num_gpus:g})")
+    # Where there is a GPU, `auto` gives each searcher whole GPUs (one, or as many as its engine
+    # spans) or a share of one (`tba.runtime.placement.searcher_gpus`): cuda:0 at most, or
+    # cuda:0 to cuda:<engine GPUs - 1>; where there is none, the run's start says so
+    # (`tba.runtime.placement.check_devices`).
     check_searcher_devices(config, engine if sc.num_gpus == "auto" else sc.num_gpus)
 
 

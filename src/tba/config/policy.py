@@ -23,10 +23,13 @@ class PolicyConfig(Section):
         "Hub model id (downloaded once into the Hub cache; `HF_HUB_OFFLINE=1` uses the cache "
         "only); also the reference policy",
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
         description="weights of trainer and searchers; `bfloat16`: the optimizer updates fp32 "
-        "master weights, the loss runs in fp32",
+        "master weights, the loss runs in fp32; `auto`: `bfloat16` on a CPU that multiplies "
+        "bf16 natively (avx512_bf16, amx_bf16) for a model of 50M parameters or more, else "
+        "`float32` (a GPU, the embedded tiny policies), decided as the run starts and written "
+        "to its config.yaml (a resumed run keeps the dtype it was trained in)",
     )
     chat_template: bool = Field(
         False, description="wrap every prompt in the tokenizer's chat template (instruct models)"

@@ -82,7 +82,8 @@ def reference_page() -> str:
         settings = ", ".join(f"`{key}={value}`" for key, value in preset.items())
         parts.append(f"- `task.name={task}`: {settings}")
     renamed = ("Older names that still work, with a notice on stderr (an old name of another "
-               "objective's setting than `train.loss`'s is ignored, as it always was). An "
+               "objective's setting than `train.loss`'s, or of the vLLM engine's with another "
+               "engine, is ignored, as it always was). An "
                "override by either name replaces the value a file gives the other; both names "
                "in one file, or on one command line, are an error:")  # fmt: skip
     parts += ["", "## Renamed keys", "", renamed, ""]

@@ -3,7 +3,7 @@ evaluation (`eval`), checkpoints (`checkpoint`), and the rules across sections."
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -36,10 +36,13 @@ class EvalConfig(Section):
         None, ge=1, description="evaluate held-out greedy pass@1 every N optimizer steps "
         "(instead of every_minutes)",
     )
-    every_minutes: float | None = Field(
-        0.5, gt=0, description="evaluate held-out greedy pass@1 every N minutes of training, "
+    every_minutes: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+        "auto", description="evaluate held-out greedy pass@1 every N minutes of training, "
         "when eval.every is null (a run of a given length is evaluated as often on a CPU as on "
-        "a GPU; null: only at the start and the end)",
+        "a GPU; null: only at the start and the end); `auto`: every 0.5 minutes, but never "
+        "before 9 times as long as the last evaluation took has passed since it (the first: "
+        "from the base policy's), so that held-out evaluation takes at most about a tenth of "
+        "the run whatever the model",
     )
     pass_k: int = Field(16, ge=1, description="k of the pass@k reported at start and end")
     batch_size: int = Field(
@@ -116,12 +119,14 @@ def _generation_baseline_needs_one_rank(config: RunConfig) -> None:
                          "train.group_baseline=trained")  # fmt: skip
 
 
-def _quantized_base_needs_builtin_engine(config: RunConfig) -> None:
-    """The searchers' vLLM engine takes full weights, not a quantized base."""
-    if config.quantization.bits and config.searchers.engine == "vllm":
-        raise ValueError(f"quantization.bits={config.quantization.bits}: the searchers' vLLM "
-                         "engine takes full weights; use searchers.engine=builtin, or "
-                         "quantization.bits=0")  # fmt: skip
+def _quantized_base_needs_an_engine_that_loads_it(config: RunConfig) -> None:
+    """An engine that loads full weights of its own (vLLM's: its settings'
+    `quantized_base` is false) cannot generate with a quantized base."""
+    engine = config.searchers.engine
+    if config.quantization.bits and not engine.quantized_base:
+        raise ValueError(f"quantization.bits={config.quantization.bits}: the searchers' "
+                         f"{engine.type} engine takes full weights; use searchers.engine=builtin, "
+                         "or quantization.bits=0")  # fmt: skip
 
 
 def _ppo_needs_one_rank(config: RunConfig) -> None:
@@ -180,7 +185,7 @@ RUN_RULES = (
     _lora_needs_one_rank,
     _every_rank_needs_whole_groups,
     _generation_baseline_needs_one_rank,
-    _quantized_base_needs_builtin_engine,
+    _quantized_base_needs_an_engine_that_loads_it,
     _ppo_needs_one_rank,
     _critic_copy_needs_full_weights,
     _eight_bit_adam_needs_one_rank,

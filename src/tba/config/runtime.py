@@ -1,15 +1,17 @@
 """Where samples wait and who makes them: the replay buffer (`buffer`), the searchers
-(`searchers`, with their vLLM engine `searchers.vllm`), the trainer's processes (`trainer`)
-and Ray (`ray`)."""
+(`searchers`, with their engine `searchers.engine` and their weight transport
+`searchers.weight_transfer`), the trainer's processes (`trainer`) and Ray (`ray`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SerializeAsAny, field_validator
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
-from tba.config.base import Section
+from tba.config.aliases import rename_engine_keys
+from tba.config.base import Section, expand_shorthand
 from tba.config.devices import Device
+from tba.config.engines import BuiltinEngineSettings, EngineSettings, engine_settings
 from tba.config.transfer import AutoTransfer, TransferSettings, transfer_settings
 
 
@@ -40,44 +42,15 @@ class BufferConfig(Section):
     )
 
 
-class VllmConfig(Section):
-    """vLLM as the searchers' engine (`searchers.engine=vllm`): one engine in each searcher
-    process (docs/engines.md)."""
-
-    gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="share of the device's memory the engine takes for weights "
-        "and KV cache (on vLLM's CPU backend: the share of RAM for the KV cache)",
-    )
-    kv_cache_gb: float | None = Field(
-        None, gt=0, description="the KV cache's size in GiB, instead of a share of memory "
-        "(default: the share on a GPU; 1 GiB on vLLM's CPU backend, where the share is of RAM "
-        "less what the process already holds)",
-    )
-    max_model_len: int | None = Field(
-        None, ge=1, description="prompt + response tokens a sequence may hold (default: the "
-        "model's own limit)",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the engine's weights (`auto`: policy.dtype)"
-    )
-    tensor_parallel_size: int = Field(
-        1, ge=1, description="GPUs one engine spans: whole GPUs, that many reserved by each "
-        "searcher (searchers.num_gpus, which `auto` sets to it)",
-    )
-    enforce_eager: bool = Field(
-        False, description="no CUDA graphs (less start-up time and memory, slower decoding)"
-    )
-
-
 class SearchersConfig(Section):
     """The processes that generate and score samples (Ray actors)."""
 
-    engine: Literal["builtin", "vllm"] = Field(
-        "builtin", description="what searchers generate with: `builtin` (tba's KV-cache sampler; "
-        "the faster on a CPU) or `vllm` (a vLLM engine in each searcher, for GPUs; `pip install "
-        "'tba[vllm]'`)",
+    engine: SerializeAsAny[EngineSettings] = Field(
+        BuiltinEngineSettings(), description="what searchers generate with: an engine's name "
+        "(`searchers.engine=vllm`), or its section with its own settings "
+        "(`searchers.engine.type=vllm searchers.engine.gpu_memory_utilization=0.5`); each `type` "
+        "and its settings are listed below (docs/engines.md)",
     )
-    vllm: VllmConfig = VllmConfig()
 
     count: int = Field(
         1, ge=0, description="searcher processes; 0 runs one searcher inside the trainer "
@@ -98,10 +71,11 @@ class SearchersConfig(Section):
     num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per searcher")
     num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="Ray GPUs reserved per searcher; `auto`: of this machine's GPUs "
-        "less the trainer's (its policy.device, or its ranks'), one each (a vLLM engine: its "
-        "tensor_parallel_size), or 1 / ceil(count / free GPUs) of one when the searchers "
-        "outnumber them; with one GPU, 1 / (count + 1) of it each beside the trainer; else (no "
-        "GPU, a cluster's ray.address, searchers.device=cpu) 0 (docs/cluster.md)",
+        "less the trainer's (its policy.device, or its ranks'), one each (or as many as the "
+        "engine spans: a vLLM engine's tensor_parallel_size), or 1 / ceil(count / free GPUs) of "
+        "one when the searchers outnumber them; with one GPU, 1 / (count + 1) of it each beside "
+        "the trainer; else (no GPU, a cluster's ray.address, searchers.device=cpu) 0 "
+        "(docs/cluster.md)",
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads per searcher (default: num_cpus, at least 1)"
@@ -124,6 +98,28 @@ class SearchersConfig(Section):
         5, ge=1, description="a reward function that fails on this many calls in a row stops "
         "the run",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """The vLLM engine's settings by their old names (`searchers.vllm.*`) go to the engine's
+        section, with a notice; with another engine they are dropped (they never had an effect
+        there): config files and run directories written before the rename load as they did."""
+        if not isinstance(data, dict) or "vllm" not in data:
+            return data
+        data = dict(data)
+        engine = data.get("engine", cls.model_fields["engine"].default)
+        if isinstance(engine, EngineSettings):  # a copy, to move settings into
+            engine = {"type": engine.type, **engine.model_dump(exclude_unset=True)}
+        data["engine"] = dict(expand_shorthand(EngineSettings, engine))
+        default = EngineSettings.model_fields["type"].default
+        rename_engine_keys(data, data["engine"].get("type", default))
+        return data
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine(cls, value: Any) -> Any:
+        return engine_settings(value)
 
     @field_validator("weight_transfer", mode="before")
     @classmethod

@@ -1,109 +1,75 @@
 """Training (`train`): the mode, the objective, its steps, limits and batches, and the settings
-of one objective alone in a section of their own (`train.tb`, `train.ppo`, `train.vineppo`)."""
+of one objective alone in a section of their own (`train.tb`, `train.ppo`, `train.vineppo`).
+
+The objectives' sections come from their registry (`tba.objectives.OBJECTIVES`, an entry's
+`settings`): `TrainConfig` is `TrainSettings` with a section `train.<name>` of each objective that
+names a settings class. An objective entered in the registry after this module was imported
+(by a script, or a test) has its section too: validated against its class as it is given, kept
+beside the fields, and dumped with them."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
-
-from tba.config.aliases import (
-    OBJECTIVE_SECTIONS,
-    TRAIN_ATTRIBUTES,
-    drop_inert,
-    notice_renamed,
-    rename_old_keys,
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
+
+from tba.config.aliases import TRAIN_ATTRIBUTES, drop_inert, notice_renamed, rename_old_keys
 from tba.config.base import Section
-from tba.objectives import BASELINE_KLS, OBJECTIVES, ROW_MEAN_GROUP_OBJECTIVES, TRUST_REGIONS
+from tba.objectives import (
+    BASELINE_KLS,
+    CLIP_EPS,
+    DEFAULT_OBJECTIVE,
+    OBJECTIVES,
+    objective_settings,
+)
 
 # train.optimizer and train.master_weights (`tba.policy.optimizers`, `tba.policy.precision`).
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 MASTER_WEIGHTS = ("fp32", "none")
 
 
-class TBSettings(Section):
-    """Trajectory balance's own settings (`train.loss=tb`)."""
-
-    trust_region: Literal[TRUST_REGIONS] = Field(  # type: ignore[valid-type]
-        "sequence", description="tb: clip the importance ratio to the behaviour policy per "
-        "`sequence` or per `token` (TBA'), or `none` (the paper's plain TB)",
-    )
-    log_z: Literal["vargrad", "learned"] = Field(
-        "vargrad", description="tb: log Z(x) estimated per group (VarGrad, needs K >= 2) or "
-        "learned with the policy (a linear head on the prompt's mean input embedding)",
-    )
-    log_z_lr: float = Field(1e-2, gt=0, description="Adam learning rate of a learned log Z")
-
-
-class PPOSettings(Section):
-    """PPO's critic and value loss (`train.loss=ppo`)."""
-
-    value_model: Literal["head", "critic"] = Field(
-        "head", description="ppo: the critic is a linear head on the policy's last hidden "
-        "state (the value loss also trains the policy's layers) or on a separate `critic` LM, "
-        "a trainable copy of the starting policy (trained at train.ppo.critic_lr)",
-    )
-    value_lr: float = Field(1e-3, gt=0, description="ppo: Adam learning rate of the value head")
-    critic_lr: float | None = Field(
-        None, gt=0, description="ppo: Adam learning rate of the separate critic LM "
-        "(value_model=critic; null: train.learning_rate). On the built-in math task a critic "
-        "at 3e-4 learned faster than at the policy's rate (docs/objective.md)",
-    )
-    gae_lambda: float = Field(
-        0.95, ge=0, le=1, description="ppo: lambda of GAE (gamma is 1; 1: Monte Carlo returns)"
-    )
-    value_clip: float = Field(
-        0.2, gt=0, description="ppo: the value loss's clip around V_old, the critic's values at "
-        "the sample's first use in training (binds on its later uses: buffer.fresh_uses > 1, "
-        "replay)",
-    )
-    value_coef: float = Field(0.1, ge=0, description="ppo: weight of the value loss")
-
-
-class VinePPOSettings(Section):
-    """VinePPO's Monte Carlo values of step prefixes (`train.loss=vineppo`)."""
-
-    rollouts: int = Field(
-        9, ge=1, description="vineppo: continuations sampled per step prefix to estimate its value"
-    )
-    max_states: int = Field(
-        25, ge=1, description="vineppo: step prefixes per response at most, the prompt included "
-        "(more steps: evenly spaced step ends kept)",
-    )
-    delimiter: str = Field(
-        "\n", min_length=1, description="vineppo: a step ends with the token whose text holds this",
-    )
-
-
-class TrainConfig(Section):
+class TrainSettings(Section):
     """How the policy trains. The settings of one objective alone are in its section
     (`train.tb`, `train.ppo`, `train.vineppo`): one set while `train.loss` is another objective
     is an error (a value equal to its default is not, so that a dumped configuration, which
     lists every setting, loads again). A task preset sets them only where `train.loss` is their
     objective."""
 
+    # The sections of objectives entered in the registry since `TrainConfig` was made (it has
+    # fields for the others), by name.
+    _entered_sections: dict[str, Section] = PrivateAttr(default_factory=dict)
+
     mode: Literal["async", "sync"] = Field(
         "async",
         description="async: searchers never stop, the trainer never waits; "
         "sync: generate with the latest weights, then train on exactly that",
     )
-    loss: Literal[tuple(OBJECTIVES)] = Field(  # type: ignore[valid-type]
-        "tb", description="objective: `tb` (VarGrad trajectory balance) or a baseline "
-        f"({', '.join(name for name in OBJECTIVES if name != 'tb')})",
+    loss: str = Field(
+        DEFAULT_OBJECTIVE, description="objective: `tb` (VarGrad trajectory balance) or a "
+        f"baseline ({', '.join(name for name in OBJECTIVES if name != 'tb')})",
     )
-    tb: TBSettings = TBSettings()
     clip_eps: float = Field(
-        0.2, gt=0, description="ratio clip of tb's trust region, dr_grpo, grpo, proximal_rloo, "
-        "ppo and vineppo"
+        CLIP_EPS, gt=0, description="ratio clip of tb's trust region, dr_grpo, grpo, "
+        "proximal_rloo, ppo and vineppo"
     )
     baseline_kl: Literal[BASELINE_KLS] = Field(  # type: ignore[valid-type]
         "current", description="log-probs in the baselines' KL-shaped reward r - beta KL: the "
         "`current` policy's (every baseline then targets TB's distribution off-policy too, and "
         "RLOO's gradient is TB's) or the `behaviour` policy's, fixed at sampling (TRL's RLOO)",
     )
-    ppo: PPOSettings = PPOSettings()
-    vineppo: VinePPOSettings = VinePPOSettings()
     max_steps: int | None = Field(
         None, ge=1, description="optimizer steps (null: no step limit); when given, it wins "
         "over num_epochs (as TRL's max_steps over num_train_epochs); the run ends at the first "
@@ -218,6 +184,35 @@ class TrainConfig(Section):
     )
 
 
+    @field_validator("loss")
+    @classmethod
+    def _registered(cls, loss: str) -> str:
+        """An objective of the registry as it is now (one entered since included)."""
+        if loss not in OBJECTIVES:
+            names = [repr(name) for name in OBJECTIVES]
+            raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                      {"expected": f"{', '.join(names[:-1])} or {names[-1]}"})
+        return loss
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _entered_since(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """The sections of objectives entered in the registry since this class was made, taken
+        out of `data` before the fields are validated, validated against their own classes, then
+        kept beside the fields (`train.<name>` reads them); `_objective_settings_match_the_loss`
+        is checked again once they are in."""
+        entered = {name: settings for name, settings in objective_settings().items()
+                   if name not in cls.model_fields}  # fmt: skip
+        if not isinstance(data, dict) or not entered:
+            return handler(data)
+        train = handler({key: value for key, value in data.items() if key not in entered})
+        train._entered_sections = {
+            name: _entered_section(name, settings, data[name]) if name in data else settings()
+            for name, settings in entered.items()
+        }  # fmt: skip
+        _objective_settings_match_the_loss(train)
+        return train
+
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, data: Any) -> Any:
@@ -227,28 +222,41 @@ class TrainConfig(Section):
         if not isinstance(data, dict) or not any(name in data for name in TRAIN_ATTRIBUTES):
             return data
         data = dict(data)
-        for section in OBJECTIVE_SECTIONS:  # copies, to move settings into
+        for section in objective_settings():  # copies, to move settings into
             if isinstance(data.get(section), BaseModel):
                 data[section] = data[section].model_dump(exclude_unset=True)
             elif isinstance(data.get(section), dict):
                 data[section] = dict(data[section])
         renamed = rename_old_keys(data, prefix="train.")
-        drop_inert(data, renamed, data.get("loss", cls.model_fields["loss"].default), "train.")
+        drop_inert(data, renamed, data.get("loss", DEFAULT_OBJECTIVE), "train.")
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> TrainConfig:
+    def _check(self) -> TrainSettings:
         for rule in TRAIN_RULES:
             rule(self)
         return self
 
+    @model_serializer(mode="wrap")
+    def _with_entered_sections(self, handler: SerializerFunctionWrapHandler,
+                               info: SerializationInfo) -> dict[str, Any]:  # fmt: skip
+        """The fields, then the sections of the objectives entered since (`_entered_since`)."""
+        options = {"mode": info.mode, "exclude_unset": info.exclude_unset,
+                   "exclude_defaults": info.exclude_defaults, "exclude_none": info.exclude_none}
+        entered = {name: section.model_dump(**options)
+                   for name, section in self._entered_sections.items()}  # fmt: skip
+        return {**handler(self), **entered}
+
     # The old names of the settings now in an objective's section, as attributes: read and
-    # assigned through to the section, with the notice (a TRL script may set them).
+    # assigned through to the section, with the notice (a TRL script may set them). The sections
+    # of objectives entered since, as attributes like the others'.
     def __getattr__(self, name: str) -> Any:
         if name in TRAIN_ATTRIBUTES:
             notice_renamed(f"train.{name}")
             section, field = TRAIN_ATTRIBUTES[name]
             return getattr(getattr(self, section), field)
+        if not name.startswith("_") and name in self._entered_sections:
+            return self._entered_sections[name]
         return super().__getattr__(name)  # type: ignore[misc]
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -271,14 +279,15 @@ def _samples_per_prompt_at_least_group_size(train: TrainConfig) -> None:
 
 def _group_of_one_needs_generation_baseline(train: TrainConfig) -> None:
     """K = 1 only where the group's statistics come from its generation's other responses."""
+    able = [name for name, objective in OBJECTIVES.items() if objective.needs.group_statistics]
     if train.group_size == 1 and (train.group_baseline != "generation"
                                   or (train.samples_per_prompt or 1) < 2
-                                  or train.loss not in ROW_MEAN_GROUP_OBJECTIVES):  # fmt: skip
+                                  or train.loss not in able):  # fmt: skip
         raise ValueError("train.group_size=1 compares a response with nothing: use 2 or "
                          "more, or train.samples_per_prompt >= 2 with "
                          "train.group_baseline=generation and a loss with group statistics ("
-                         + ", ".join(ROW_MEAN_GROUP_OBJECTIVES) + "): its generation's other "
-                         "responses then make the group's statistics")  # fmt: skip
+                         + ", ".join(able) + "): its generation's other responses then make "
+                         "the group's statistics")  # fmt: skip
 
 
 def _beta_anneal_starts_before_it_ends(train: TrainConfig) -> None:
@@ -314,14 +323,15 @@ def _objective_settings_match_the_loss(train: TrainConfig) -> None:
     """A setting of one objective's section (`train.ppo.value_coef`) is set only while
     `train.loss` is that objective. Only settings given count (the section's
     `model_fields_set`), and only where they differ from their default: a dumped configuration
-    (config.yaml) lists every setting."""
-    for section, objective in OBJECTIVE_SECTIONS.items():
-        if objective == train.loss:
+    (config.yaml) lists every setting. (The section of an objective entered since the config
+    was made is not there yet while its fields are validated: it is checked once it is.)"""
+    for objective in objective_settings():
+        settings: Section | None = getattr(train, objective, None)
+        if objective == train.loss or settings is None:
             continue
-        settings: Section = getattr(train, section)
         for name, field in type(settings).model_fields.items():
             if name in settings.model_fields_set and getattr(settings, name) != field.default:
-                raise ValueError(f"train.{section}.{name} applies to train.loss={objective}, "
+                raise ValueError(f"train.{objective}.{name} applies to train.loss={objective}, "
                                  f"not train.loss={train.loss}")  # fmt: skip
 
 
@@ -335,3 +345,32 @@ TRAIN_RULES = (
     _warmup_ratio_needs_a_step_limit,
     _objective_settings_match_the_loss,
 )
+
+# `train`: its own settings, then a section of each objective whose entry in the registry names a
+# settings class (`train.tb`, `train.ppo`, `train.vineppo`), under the objective's name.
+TrainConfig = create_model(
+    "TrainConfig", __base__=TrainSettings, __module__=__name__, __doc__=TrainSettings.__doc__,
+    **{name: (settings, settings()) for name, settings in objective_settings().items()},
+)
+
+
+def _entered_section(name: str, settings: type[Section], value: Any) -> Section:
+    """The section `train.<name>` of an objective entered in the registry since `TrainConfig`
+    was made: `value` validated against the settings class its entry names, as a transport's
+    section is against its kind's (`tba.config.base.kind_settings`). What is wrong is a
+    `ValueError` of one line naming the setting."""
+    key = f"train.{name}"
+    if isinstance(value, settings):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} is a section of settings, not a value (got {value!r:.40})")
+    try:
+        return settings.model_validate(value)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ValueError(f"{key}.{where}: not a setting of {key} (its settings: "
+                             f"{', '.join(settings.model_fields)})") from None  # fmt: skip
+        message = first["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{key}.{where}: {message} (got {first.get('input')!r:.80})") from None

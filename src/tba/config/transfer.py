@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
-from tba.config.base import Section, expand_shorthand
+from tba.config.base import Section, kind_settings
 
 
 class TransferSettings(Section):
@@ -103,26 +103,7 @@ def register_transfer_settings(name: str, settings: type[TransferSettings]) -> N
 
 
 def transfer_settings(value: Any, key: str = "searchers.weight_transfer") -> Any:
-    """A `searchers.weight_transfer` value as its transport's settings: a name alone stands for
-    the section `{type: name}`; a mapping is validated against the class its `type` names. What
-    is wrong is a `ValueError` of one line naming the setting under `key`."""
-    if isinstance(value, TransferSettings):
-        return value
-    value = expand_shorthand(TransferSettings, value)
-    if not isinstance(value, dict):
-        return value  # pydantic says what is wrong with it
-    name = value.get("type", "auto")
-    if name not in TRANSFER_SETTINGS:
-        raise ValueError(f"{key}.type: unknown transport {name!r}; known: "
-                         f"{', '.join(TRANSFER_SETTINGS)}")  # fmt: skip
-    try:
-        return TRANSFER_SETTINGS[name].model_validate(value)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        if first["type"] == "extra_forbidden":
-            allowed = ", ".join(TRANSFER_SETTINGS[name].model_fields)
-            raise ValueError(f"{key}.{where}: not a setting of the {name!r} transport (its "
-                             f"settings: {allowed})") from None  # fmt: skip
-        message = first["msg"].removeprefix("Value error, ")
-        raise ValueError(f"{key}.{where}: {message} (got {first.get('input')!r:.80})") from None
+    """A `searchers.weight_transfer` value as its transport's settings (`kind_settings`): a name
+    alone stands for the section `{type: name}`; a mapping is validated against the class its
+    `type` names. What is wrong is a `ValueError` of one line naming the setting under `key`."""
+    return kind_settings(TransferSettings, value, key, "transport")

@@ -21,17 +21,22 @@ advantages, clipped ratio and clipped value loss) and :func:`vineppo_loss`
 (:mod:`tba.objectives.vineppo`: the clipped ratio on step advantages from Monte Carlo values of
 step prefixes, :func:`vine_advantages`).
 
+Every loss takes its micro-batch as one :class:`TokenBatch` (per-token and per-sequence
+tensors) and its settings as arguments.
+
 ``OBJECTIVES`` (:mod:`tba.objectives.registry`) names every one of them: an :class:`Objective`,
-its loss behind one signature, ``OBJECTIVES[name](LossInputs(...)) -> (loss, stats)``, and its
+its loss behind one signature, ``OBJECTIVES[name](LossInputs(...)) -> (loss, stats)``, its
 :class:`Needs` (a critic, per-token reference log-probs, Monte Carlo step values, ...), which the
-trainer and the searchers read instead of the name. It is what ``train.loss`` chooses from.
+trainer and the searchers read instead of the name, and the class of its own settings
+(:class:`TBSettings`, :class:`PPOSettings`, :class:`VinePPOSettings`), which the config holds as
+the section ``train.<name>``. It is what ``train.loss`` chooses from.
 
 Adding an objective is one module and one entry: a module here with its loss (a pure function,
-its formula and paper in the docstring, a float64 reference test) and an
-``Objective(loss, Needs(...))`` under its name in ``OBJECTIVES`` (the registry's docstring says
-how the loss reads its inputs and settings). Nothing else changes: ``lint-imports`` checks the
-new module's imports once its name joins the middle layer of the ``tba.objectives`` contract in
-``pyproject.toml``.
+its formula and paper in the docstring, a float64 reference test) and its settings class, if it
+has settings of its own, and an ``Objective(loss, Needs(...), settings)`` under its name in
+``OBJECTIVES`` (the registry's docstring says how the loss reads its inputs and settings).
+Nothing else changes: ``lint-imports`` checks the new module's imports once its name joins the
+middle layer of the ``tba.objectives`` contract in ``pyproject.toml``.
 """
 
 from tba.objectives.baselines import (
@@ -41,23 +46,26 @@ from tba.objectives.baselines import (
     proximal_rloo_loss,
     rloo_loss,
 )
-from tba.objectives.common import group_mean
-from tba.objectives.ppo import ValueHead, gae, ppo_loss
+from tba.objectives.beta import BetaSchedule
+from tba.objectives.common import CLIP_EPS, TokenBatch, group_mean
+from tba.objectives.ppo import PPOSettings, ValueHead, gae, ppo_loss
 from tba.objectives.registry import (
     BASELINE_KLS,
+    DEFAULT_OBJECTIVE,
     OBJECTIVES,
     ROW_MEAN_GROUP_OBJECTIVES,
-    TRUST_REGIONS,
     LossInputs,
     Needs,
     Objective,
+    objective_settings,
 )
-from tba.objectives.schedules import BetaSchedule
-from tba.objectives.tb import tb_loss, tb_residuals, tb_trust_region_loss
-from tba.objectives.vineppo import vine_advantages, vineppo_loss
+from tba.objectives.tb import TRUST_REGIONS, TBSettings, tb_loss, tb_residuals, tb_trust_region_loss
+from tba.objectives.vineppo import VinePPOSettings, vine_advantages, vineppo_loss
 
 __all__ = [
     "BASELINE_KLS",
+    "CLIP_EPS",
+    "DEFAULT_OBJECTIVE",
     "OBJECTIVES",
     "ROW_MEAN_GROUP_OBJECTIVES",
     "TRUST_REGIONS",
@@ -65,11 +73,16 @@ __all__ = [
     "LossInputs",
     "Needs",
     "Objective",
+    "PPOSettings",
+    "TBSettings",
+    "TokenBatch",
     "ValueHead",
+    "VinePPOSettings",
     "dr_grpo_loss",
     "gae",
     "group_mean",
     "grpo_loss",
+    "objective_settings",
     "online_dpo_loss",
     "ppo_loss",
     "proximal_rloo_loss",

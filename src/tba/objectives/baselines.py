@@ -1,13 +1,14 @@
 """Baseline RL post-training objectives, for comparison with Trajectory Balance.
 
-All losses are pure functions on a batch of N responses, each belonging to a prompt group given by
-integer ``group_ids`` (any values, any order; every group needs >= 2 members). Per-token tensors
-are (N, T), right-padded, with a 0/1 or boolean ``mask`` of real response tokens (EOS included;
-every row needs >= 1). ``token_logp`` is the current policy's per-token log-prob (the only input
-that is differentiated), ``behaviour_token_logp`` the per-token log-prob under the policy that
-generated the sample (equal to ``token_logp.detach()`` on-policy), ``rewards`` and ``ref_logp``
-(summed reference log-prob) are per sequence. Except for DPO, the reward is KL-shaped so that
-every method targets the same distribution as TB, ``pi_ref(y|x) exp(r / beta)``:
+All losses are pure functions on a batch of N responses (a `TokenBatch`), each belonging to a
+prompt group given by integer ``group_ids`` (any values, any order; every group needs >= 2
+members). Per-token tensors are (N, T), right-padded, with a 0/1 or boolean ``mask`` of real
+response tokens (EOS included; every row needs >= 1). ``token_logp`` is the current policy's
+per-token log-prob (the only input that is differentiated), ``behaviour_token_logp`` the
+per-token log-prob under the policy that generated the sample (equal to ``token_logp.detach()``
+on-policy), ``rewards`` and ``ref_logp`` (summed reference log-prob) are per sequence. Except for
+DPO, the reward is KL-shaped so that every method targets the same distribution as TB,
+``pi_ref(y|x) exp(r / beta)``:
 
     logp_i    = sum_t mask_it token_logp_it
     r_tilde_i = r_i - beta * stopgrad(logp_i - ref_logp_i)          (beta = 0 disables it)
@@ -18,18 +19,18 @@ fix the KL term when the sample is drawn: pass ``kl_logp`` (the behaviour policy
 log-probs) to the RLOO and clipped-ratio losses for that, ``r_tilde_i = r_i - beta (kl_logp_i -
 ref_logp_i)``. On-policy the two are the same.
 
-Losses (each returns ``(loss, stats)``: a scalar float32 loss, computed in float32, and a small
-dict of detached float metrics):
+Losses (each takes the batch and ``beta``, and returns ``(loss, stats)``: a scalar float32 loss,
+computed in float32, and a small dict of detached float metrics):
 
-- :func:`dr_grpo_loss`  token_logp, behaviour_token_logp, mask, rewards, ref_logp, group_ids, beta
-  -- PPO-clip with group-mean baseline, no std or length normalisation (Dr. GRPO).
-- :func:`grpo_loss`  same inputs -- PPO-clip with group-standardised advantage, per-response
+- :func:`dr_grpo_loss`  reads token_logp, behaviour_token_logp, mask, rewards, ref_logp,
+  group_ids -- PPO-clip with group-mean baseline, no std or length normalisation (Dr. GRPO).
+- :func:`grpo_loss`  the same -- PPO-clip with group-standardised advantage, per-response
   length normalisation (GRPO).
-- :func:`rloo_loss`  token_logp, mask, rewards, ref_logp, group_ids, beta -- on-policy REINFORCE
+- :func:`rloo_loss`  token_logp, mask, rewards, ref_logp, group_ids -- on-policy REINFORCE
   with the leave-one-out baseline.
 - :func:`proximal_rloo_loss`  token_logp, behaviour_token_logp, mask, rewards, ref_logp,
-  group_ids, beta -- RLOO with a clipped sequence-level importance ratio, for off-policy data.
-- :func:`online_dpo_loss`  token_logp, mask, rewards, ref_logp, group_ids, beta -- DPO on the
+  group_ids -- RLOO with a clipped sequence-level importance ratio, for off-policy data.
+- :func:`online_dpo_loss`  token_logp, mask, rewards, ref_logp, group_ids -- DPO on the
   best-vs-worst response of each group (beta is the DPO temperature; no KL-shaped reward).
 """
 
@@ -40,6 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tba.objectives.common import (
+    CLIP_EPS,
+    TokenBatch,
     check_positive,
     clipped_objective,
     group_mean,
@@ -64,12 +67,7 @@ def _group_std(values: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def _token_ppo(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_logp: Tensor,
-    group_ids: Tensor,
+    batch: TokenBatch,
     beta: float,
     clip_eps: float,
     standardise: bool,
@@ -77,6 +75,8 @@ def _token_ppo(
     kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Shared (Dr.) GRPO body: masked per-token objective ``mask * o`` (N, T), lengths, stats."""
+    token_logp, behaviour_token_logp, mask = batch.token_logp, batch.behaviour(), batch.mask
+    rewards, (ref_logp, group_ids) = batch.rewards, batch.grouped()
     validate_grouped(
         mask,
         group_ids,
@@ -115,16 +115,7 @@ def _rloo_advantage(r_tilde: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def dr_grpo_loss(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_logp: Tensor,
-    group_ids: Tensor,
-    *,
-    beta: float,
-    clip_eps: float = 0.2,
-    kl_logp: Tensor | None = None,
+    batch: TokenBatch, *, beta: float, clip_eps: float = CLIP_EPS, kl_logp: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Dr. GRPO: PPO-clip with a group-mean baseline, no std and no length normalisation.
 
@@ -143,24 +134,16 @@ def dr_grpo_loss(
     ``kl_logp``: the summed log-probs in the KL term of ``r_tilde`` (default: the current
     policy's, detached; the behaviour policy's fix it when the sample was drawn, as TRL does).
     """
-    objective, _, stats = _token_ppo(
-        token_logp, behaviour_token_logp, mask, rewards, ref_logp, group_ids, beta, clip_eps,
-        standardise=False, kl_logp=kl_logp,
-    )  # fmt: skip
+    objective, _, stats = _token_ppo(batch, beta, clip_eps, standardise=False, kl_logp=kl_logp)
     loss = -objective.sum() / objective.shape[0]
     return loss, stats
 
 
 def grpo_loss(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_logp: Tensor,
-    group_ids: Tensor,
+    batch: TokenBatch,
     *,
     beta: float,
-    clip_eps: float = 0.2,
+    clip_eps: float = CLIP_EPS,
     eps_std: float = 1e-4,
     kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -174,23 +157,14 @@ def grpo_loss(
     Stats and ``kl_logp`` as :func:`dr_grpo_loss`.
     """
     check_positive("eps_std", eps_std)
-    objective, lengths, stats = _token_ppo(
-        token_logp, behaviour_token_logp, mask, rewards, ref_logp, group_ids, beta, clip_eps,
-        standardise=True, eps_std=eps_std, kl_logp=kl_logp,
-    )  # fmt: skip
+    objective, lengths, stats = _token_ppo(batch, beta, clip_eps, standardise=True,
+                                           eps_std=eps_std, kl_logp=kl_logp)  # fmt: skip
     loss = -(objective.sum(dim=1) / lengths).mean()
     return loss, stats
 
 
 def rloo_loss(
-    token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_logp: Tensor,
-    group_ids: Tensor,
-    *,
-    beta: float,
-    kl_logp: Tensor | None = None,
+    batch: TokenBatch, *, beta: float, kl_logp: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """On-policy REINFORCE with the leave-one-out (RLOO) baseline on the KL-shaped reward.
 
@@ -200,6 +174,8 @@ def rloo_loss(
     The gradient w.r.t. each real token log-prob of sequence i is ``-A_i / N``.
     Stats: ``advantage_abs_mean`` and ``kl``; ``kl_logp`` as in :func:`dr_grpo_loss`.
     """
+    token_logp, mask, rewards = batch.token_logp, batch.mask, batch.rewards
+    ref_logp, group_ids = batch.grouped()
     validate_grouped(
         mask, group_ids, {"token_logp": token_logp}, {"rewards": rewards, "ref_logp": ref_logp}
     )
@@ -212,16 +188,7 @@ def rloo_loss(
 
 
 def proximal_rloo_loss(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_logp: Tensor,
-    group_ids: Tensor,
-    *,
-    beta: float,
-    clip_eps: float = 0.2,
-    kl_logp: Tensor | None = None,
+    batch: TokenBatch, *, beta: float, clip_eps: float = CLIP_EPS, kl_logp: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """RLOO with a clipped sequence-level importance ratio to the behaviour policy (off-policy).
 
@@ -241,6 +208,8 @@ def proximal_rloo_loss(
     Stats: ``advantage_abs_mean``, ``clip_frac`` (fraction of *sequences* whose clipped branch is
     active) and ``kl``; ``kl_logp`` as in :func:`dr_grpo_loss`.
     """
+    token_logp, behaviour_token_logp, mask = batch.token_logp, batch.behaviour(), batch.mask
+    rewards, (ref_logp, group_ids) = batch.rewards, batch.grouped()
     validate_grouped(
         mask,
         group_ids,
@@ -271,15 +240,7 @@ def _first_index_where(flag: Tensor, inverse: Tensor, num_groups: int) -> Tensor
     return first.scatter_reduce_(0, inverse[flag], index[flag], reduce="amin")
 
 
-def online_dpo_loss(
-    token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_logp: Tensor,
-    group_ids: Tensor,
-    *,
-    beta: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def online_dpo_loss(batch: TokenBatch, *, beta: float) -> tuple[Tensor, dict[str, Tensor]]:
     """Online DPO on the best-vs-worst response of each group.
 
     In each group, w is the max-reward and l the min-reward response (ties: first in batch
@@ -293,6 +254,8 @@ def online_dpo_loss(
     Stats: ``pairs`` (P), ``margin`` (mean beta-scaled implicit reward margin over the pairs, 0
     if none) and ``kl``.
     """
+    token_logp, mask, rewards = batch.token_logp, batch.mask, batch.rewards
+    ref_logp, group_ids = batch.grouped()
     validate_grouped(
         mask, group_ids, {"token_logp": token_logp}, {"rewards": rewards, "ref_logp": ref_logp}
     )

@@ -1,13 +1,51 @@
-"""Pieces shared by the objectives: per-prompt group means, input checks, masking, the KL-shaped
-reward, the per-token KL penalty and the PPO-style clipped surrogate. Every objective groups
-responses by an explicit integer prompt id, never by reshaping a batch."""
+"""Pieces shared by the objectives: the micro-batch every loss takes (`TokenBatch`), per-prompt
+group means, input checks, masking, the KL-shaped reward, the per-token KL penalty and the
+PPO-style clipped surrogate. Every objective groups responses by an explicit integer prompt id,
+never by reshaping a batch."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0  # |log importance ratio| is clamped to this before exp (ratio <= ~4.9e8)
+# The clipped ratio's band [1 - eps, 1 + eps] unless told otherwise: `train.clip_eps`'s default.
+CLIP_EPS = 0.2
+
+
+@dataclass
+class TokenBatch:
+    """N responses as the losses take them: per-token tensors (N, T), right-padded, with `mask`
+    marking the real response tokens (EOS included; every row needs >= 1), and per-sequence
+    tensors (N,). A loss reads what its formula needs; one it needs and the batch lacks is a
+    `ValueError`."""
+
+    token_logp: Tensor  # the current policy's (the input that is differentiated)
+    mask: Tensor  # 0/1 or boolean
+    rewards: Tensor  # the task's reward of each response
+    behaviour_token_logp: Tensor | None = None  # the policy's that generated each sample
+    ref_logp: Tensor | None = None  # the reference policy's, summed over each response
+    group_ids: Tensor | None = None  # the integer prompt id of each response
+    ref_token_logp: Tensor | None = None  # the reference policy's, per token
+
+    def behaviour(self) -> Tensor:
+        if self.behaviour_token_logp is None:
+            raise ValueError("this loss needs per-token behaviour log-probs in every sample")
+        return self.behaviour_token_logp
+
+    def ref_tokens(self) -> Tensor:
+        if self.ref_token_logp is None:
+            raise ValueError("this loss needs per-token reference log-probs in every sample")
+        return self.ref_token_logp
+
+    def grouped(self) -> tuple[Tensor, Tensor]:
+        """(ref_logp, group_ids): what a loss over groups reads beside the tokens."""
+        if self.ref_logp is None or self.group_ids is None:
+            raise ValueError("this loss needs each response's summed reference log-prob and its "
+                             "group id")  # fmt: skip
+        return self.ref_logp, self.group_ids
 
 
 def group_mean(values: Tensor, group_ids: Tensor) -> Tensor:

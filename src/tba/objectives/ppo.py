@@ -23,22 +23,60 @@ so that ``sum_t r_it = R_i - beta KL_i``, the KL-shaped reward of the baselines 
   (V_old), advantages whitened over the batch, PPO's clipped ratio to the behaviour policy, and
   the value loss clipped around V_old: a sum over tokens divided by the number of sequences N,
   like Dr. GRPO's, so that micro-batches add up to the batch exactly.
+- :class:`PPOSettings` -- its own settings, the section `train.ppo`: the critic's kind and
+  learning rates, GAE's lambda and the value loss's clip and weight.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from tba.objectives.common import (
+    CLIP_EPS,
+    TokenBatch,
     check_positive,
     clipped_objective,
     masked,
     token_kl,
     validate_tokens,
 )
+from tba.section import Section
 
 WHITEN_EPS = 1e-8
+# The defaults of `ppo_loss` and of their settings in `train.ppo`.
+GAE_LAMBDA = 0.95
+VALUE_CLIP = 0.2
+VALUE_COEF = 0.1
+
+
+class PPOSettings(Section):
+    """PPO's critic and value loss (`train.loss=ppo`)."""
+
+    value_model: Literal["head", "critic"] = Field(
+        "head", description="ppo: the critic is a linear head on the policy's last hidden "
+        "state (the value loss also trains the policy's layers) or on a separate `critic` LM, "
+        "a trainable copy of the starting policy (trained at train.ppo.critic_lr)",
+    )
+    value_lr: float = Field(1e-3, gt=0, description="ppo: Adam learning rate of the value head")
+    critic_lr: float | None = Field(
+        None, gt=0, description="ppo: Adam learning rate of the separate critic LM "
+        "(value_model=critic; null: train.learning_rate). On the built-in math task a critic "
+        "at 3e-4 learned faster than at the policy's rate (docs/objective.md)",
+    )
+    gae_lambda: float = Field(
+        GAE_LAMBDA, ge=0, le=1, description="ppo: lambda of GAE (gamma is 1; 1: Monte Carlo "
+        "returns)"
+    )
+    value_clip: float = Field(
+        VALUE_CLIP, gt=0, description="ppo: the value loss's clip around V_old, the critic's "
+        "values at the sample's first use in training (binds on its later uses: "
+        "buffer.fresh_uses > 1, replay)",
+    )
+    value_coef: float = Field(VALUE_COEF, ge=0, description="ppo: weight of the value loss")
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -54,7 +92,7 @@ def token_rewards(rewards: Tensor, token_kl: Tensor, mask: Tensor, beta: float) 
 
 
 def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = GAE_LAMBDA
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation on right-padded per-token ``rewards`` and ``values``
     (N, T), ``values[t] = V(s_t)``, the state before token t:
@@ -143,23 +181,21 @@ class ValueHead(torch.nn.Linear):
 
 
 def ppo_loss(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_token_logp: Tensor,
+    batch: TokenBatch,
     values: Tensor,
     *,
     beta: float,
-    clip_eps: float = 0.2,
+    clip_eps: float = CLIP_EPS,
     gamma: float = 1.0,
-    gae_lambda: float = 0.95,
-    value_clip: float = 0.2,
-    value_coef: float = 0.1,
+    gae_lambda: float = GAE_LAMBDA,
+    value_clip: float = VALUE_CLIP,
+    value_coef: float = VALUE_COEF,
     old_values: Tensor | None = None,
     kl_token_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Token-level PPO with a learned value (``values``: the critic's V(s_t), (N, T)).
+    """Token-level PPO with a learned value (``values``: the critic's V(s_t), (N, T)), on the
+    batch's ``token_logp``, ``behaviour_token_logp``, ``mask``, ``rewards`` and
+    ``ref_token_logp``.
 
     ``old_values`` is PPO's V_old: the critic's values when the sample was first trained on
     (the trainer stores them with the sample, `tba.core.Sample.old_values`), given for every
@@ -185,6 +221,8 @@ def ppo_loss(
     whitening), ``value_mean``, ``clip_frac``, ``value_clip_frac`` (shares of real tokens) and
     ``kl`` (mean summed KL per sequence).
     """
+    token_logp, behaviour_token_logp, mask = batch.token_logp, batch.behaviour(), batch.mask
+    rewards, ref_token_logp = batch.rewards, batch.ref_tokens()
     validate_tokens(
         mask,
         {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp,

@@ -27,15 +27,22 @@ TB gradient keeps pushing a stale sample the policy already moved, at full size;
 region a sample (or token) whose importance ratio to its behaviour policy left [1 - eps, 1 + eps]
 in the direction of its advantage stops being pushed. On-policy (ratio 1) both losses give the
 same gradient.
+
+Its own settings are the section `train.tb` (:class:`TBSettings`): the trust region's level, and
+whether log Z is VarGrad's estimate or learned with the policy (the trainer then provides it,
+`tba.needs.LearnedLogZ`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
 from torch import Tensor
 
 from tba.objectives.common import (
+    CLIP_EPS,
+    TokenBatch,
     check_group_ids,
     check_positive,
     clipped_objective,
@@ -43,8 +50,24 @@ from tba.objectives.common import (
     masked,
     validate_grouped,
 )
+from tba.section import Section
 
 TrustRegion = Literal["sequence", "token"]
+TRUST_REGIONS = ("sequence", "token", "none")  # train.tb.trust_region; `none`: the paper's TB
+
+
+class TBSettings(Section):
+    """Trajectory balance's own settings (`train.loss=tb`)."""
+
+    trust_region: Literal[TRUST_REGIONS] = Field(  # type: ignore[valid-type]
+        "sequence", description="tb: clip the importance ratio to the behaviour policy per "
+        "`sequence` or per `token` (TBA'), or `none` (the paper's plain TB)",
+    )
+    log_z: Literal["vargrad", "learned"] = Field(
+        "vargrad", description="tb: log Z(x) estimated per group (VarGrad, needs K >= 2) or "
+        "learned with the policy (a linear head on the prompt's mean input embedding)",
+    )
+    log_z_lr: float = Field(1e-2, gt=0, description="Adam learning rate of a learned log Z")
 
 
 def _validate(
@@ -130,24 +153,19 @@ def tb_loss(
 
 
 def tb_trust_region_loss(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-    ref_logp: Tensor,
-    group_ids: Tensor,
+    batch: TokenBatch,
     *,
     beta: float,
-    clip_eps: float = 0.2,
+    clip_eps: float = CLIP_EPS,
     level: TrustRegion = "sequence",
     log_z: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """TB whose residuals stop pushing samples the policy has already moved (TBA').
 
-    Per-token tensors are (N, T), right-padded, with ``mask`` marking real response tokens (EOS
-    included); ``behaviour_token_logp`` are the log-probs under the policy that generated each
-    sample (stored with it). ``A_i = -residual_i`` is TB's advantage (:func:`tb_residuals`,
-    detached, with the current policy's log-probs in its KL term):
+    Reads the batch's ``token_logp``, ``behaviour_token_logp`` (the log-probs under the policy
+    that generated each sample, stored with it), ``mask``, ``rewards``, ``ref_logp`` and
+    ``group_ids``. ``A_i = -residual_i`` is TB's advantage (:func:`tb_residuals`, detached, with
+    the current policy's log-probs in its KL term):
 
         sequence:  rho_i  = exp(sum_t mask_it (token_logp_it - behaviour_token_logp_it))
                    loss   = -(1/N) sum_i min(rho_i A_i, clip(rho_i, 1 - eps, 1 + eps) A_i)
@@ -168,6 +186,8 @@ def tb_trust_region_loss(
     Stats: ``clip_frac`` (share of sequences, or of real tokens, whose gradient the trust region
     zeroed), ``log_z`` and ``kl`` (means over the batch).
     """
+    token_logp, behaviour_token_logp, mask = batch.token_logp, batch.behaviour(), batch.mask
+    rewards, (ref_logp, group_ids) = batch.rewards, batch.grouped()
     validate_grouped(
         mask,
         group_ids,

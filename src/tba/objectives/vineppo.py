@@ -2,7 +2,7 @@
 arXiv 2410.01679): PPO's clipped ratio with no critic, on step advantages from Monte Carlo values
 of each response's step prefixes.
 
-A response is split into steps (`tba.vine` says where, and estimates the values: the searcher
+A response is split into steps (`tba.vine_values` says where, and estimates the values: the searcher
 that made the response samples continuations of every step prefix and scores them); the states
 are the prompt (s_0) and the prompt with the first 1, 2, ... steps, and V(s_k) is the mean reward
 of the continuations of s_k. Per-token tensors are (N, T), right-padded, with a 0/1 or boolean
@@ -16,21 +16,42 @@ that of PPO (:mod:`tba.objectives.ppo`), in reward units:
   searchers store), per token.
 - :func:`vineppo_loss` -- the clipped ratio on each token's step advantage plus the KL penalty to
   go, a sum over tokens divided by the number of sequences N (micro-batches add up exactly).
+- :class:`VinePPOSettings` -- its own settings, the section `train.vineppo`: how the searchers
+  split responses into steps and estimate the values of their prefixes.
 """
 
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from tba.core import Sample
 from tba.objectives.common import (
+    CLIP_EPS,
+    TokenBatch,
     check_positive,
     clipped_objective,
     masked,
     token_kl,
     validate_tokens,
 )
+from tba.section import Section
+
+
+class VinePPOSettings(Section):
+    """VinePPO's Monte Carlo values of step prefixes (`train.loss=vineppo`)."""
+
+    rollouts: int = Field(
+        9, ge=1, description="vineppo: continuations sampled per step prefix to estimate its value"
+    )
+    max_states: int = Field(
+        25, ge=1, description="vineppo: step prefixes per response at most, the prompt included "
+        "(more steps: evenly spaced step ends kept)",
+    )
+    delimiter: str = Field(
+        "\n", min_length=1, description="vineppo: a step ends with the token whose text holds this",
+    )
 
 
 def reward_to_go(token_values: Tensor, mask: Tensor) -> Tensor:
@@ -95,18 +116,16 @@ def token_step_advantages(samples: list[Sample], mask: Tensor, rewards: Tensor) 
 
 
 def vineppo_loss(
-    token_logp: Tensor,
-    behaviour_token_logp: Tensor,
-    mask: Tensor,
+    batch: TokenBatch,
     step_advantages: Tensor,
-    ref_token_logp: Tensor,
     *,
     beta: float,
-    clip_eps: float = 0.2,
+    clip_eps: float = CLIP_EPS,
     kl_token_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """VinePPO: PPO's clipped ratio on each token's step advantage (``step_advantages`` (N, T),
-    :func:`vine_advantages`: Monte Carlo values of the task reward) and the KL penalty to go:
+    :func:`vine_advantages`: Monte Carlo values of the task reward) and the KL penalty to go, on
+    the batch's ``token_logp``, ``behaviour_token_logp``, ``mask`` and ``ref_token_logp``:
 
         A_t    = A_step(t) - beta sum_{t' >= t} kl_t'
         loss   = -(1/N) sum_{i,t} min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)
@@ -117,6 +136,8 @@ def vineppo_loss(
     detached; the behaviour policy's fix it when the sample was drawn). Stats:
     ``advantage_mean``, ``advantage_std``, ``clip_frac`` and ``kl``.
     """
+    token_logp, behaviour_token_logp, mask = batch.token_logp, batch.behaviour(), batch.mask
+    ref_token_logp = batch.ref_tokens()
     validate_tokens(
         mask,
         {"token_logp": token_logp, "behaviour_token_logp": behaviour_token_logp,

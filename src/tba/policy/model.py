@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 
 from tba.config import LoraConfig, QuantizationConfig
 from tba.errors import ConfigError, first_line
+from tba.policy.cpu import resolve_dtype
 from tba.policy.gguf import gguf_file, load_gguf_model
 from tba.policy.quantization import (
     bnb_config,
@@ -154,7 +155,10 @@ def load_policy(
     base quantized when `quantization.bits > 0` (`tba.policy.quantization`), its activations
     recomputed in the backward pass with `gradient_checkpointing=True`. `auto` leaves it off
     here: the trainer decides at its first step, when it knows its micro-batches
-    (`tba.policy.activation_memory`)."""
+    (`tba.policy.activation_memory`). `dtype=auto` is decided here as a run decides it
+    (`tba.policy.cpu.resolve_dtype`), for a caller given a config no run has decided: a run
+    decides it once, before any process loads the policy, so that all of them agree."""
+    dtype, _ = resolve_dtype(dtype, device, path)
     model = load_model(path, device, DTYPES[dtype], quantization)
     disable_dropout(model)
     if gradient_checkpointing is True:

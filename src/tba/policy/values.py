@@ -5,7 +5,8 @@ The head is PPO's and lives with its loss; this adapter is the model plumbing th
 layer cannot import: which LM's hidden states the head reads, and that LM's weights. The LM is
 the policy itself (the default: the value loss then also trains the policy's layers, as TRL's
 value head does) or a separate critic, a trainable copy of the starting policy with its own fp32
-master weights. The trainer builds one where its objective's `Needs.critic` asks for it.
+master weights. The trainer's provider of `Needs.critic` (`tba.needs.CriticValues`) builds one
+and trains it with the policy.
 
 A head on the policy reads the hidden states of the policy's own forward pass (the one its
 log-probs come from): no second pass. A separate critic runs its own, hidden states only.

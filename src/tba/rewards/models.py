@@ -7,7 +7,7 @@ models of this kind are trained to score; for a conversation (TRL's format), of 
 the completion's messages rendered by the reward tokenizer's chat template. `classifier_logits`
 is the batched forward pass it shares with the red-teaming classifier.
 
-Models load the first time they score, in the process that calls them (`tba.lazy.Lazy`): each
+Models load the first time they score, in the process that calls them (`tba.lazy_models.Lazy`): each
 searcher loads its own copy and nothing big travels with the task. Where the model's files are is
 settled when the reward is made, in the process that makes the task (`reward_model_files`): a
 name that is no directory and no model on the Hub is one line at once, not a reward that fails
@@ -25,7 +25,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tba.core import Prompt
 from tba.errors import ConfigError
-from tba.lazy import Lazy
+from tba.lazy_models import Lazy
 from tba.policy.model import resolve_device
 from tba.policy.sources import hub_snapshot, looks_like_a_path
 

@@ -40,8 +40,8 @@ import torch
 from tba.buffer import ReplayBuffer
 from tba.config import RunConfig
 from tba.core import EventLogger, Sample
-from tba.runtime.pool import AsyncSearchers, Searchers
 from tba.runtime.ray_cluster import cluster_address
+from tba.runtime.searchers import AsyncSearchers, Searchers
 from tba.trainer import Trainer
 
 

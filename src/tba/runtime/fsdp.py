@@ -18,8 +18,9 @@ which is the one-process `Trainer.step` on the same batch, up to the order of fl
 sums. Every rank must run the same collectives, so every rank runs the same number of
 micro-batches: a rank with fewer runs padding ones that count for nothing.
 
-The learned log Z head is small and replicated: each rank keeps a copy, its gradients are averaged
-across ranks, and it reads the prompt embeddings from the embedding table gathered once a step.
+The learned log Z head is small and replicated: each rank keeps a copy (`ReplicatedLogZ`, a sharded
+trainer's provider of `Needs.learned_log_z`), its gradients are averaged across ranks, and it
+reads the prompt embeddings from the embedding table gathered once a step.
 
 With `param_dtype=torch.bfloat16` (`policy.dtype=bfloat16`), ranks keep fp32 weights and compute
 in bf16 (FSDP2's mixed precision), reducing gradients in fp32: the fp32 shards are the master
@@ -44,8 +45,10 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from tba.core import Sample
+from tba.needs import PROVIDERS, LearnedLogZ, Provider
+from tba.policy.micro_batches import micro_batch_split
 from tba.policy.model import as_numpy
-from tba.trainer import LearnedLogZ, Trainer, micro_batch_split
+from tba.trainer import Trainer
 
 
 def shard(model: PreTrainedModel, param_dtype: torch.dtype | None) -> None:
@@ -92,8 +95,21 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
 
 
 class ReplicatedLogZ(LearnedLogZ):
-    """The learned log Z head, one copy per rank: its first bias is the mean over every rank's
-    first micro-batch."""
+    """The learned log Z head, one copy per rank: it reads the prompt embeddings from the table
+    gathered once a step, its first bias is the mean over every rank's first micro-batch, and its
+    gradients are averaged across ranks by hand."""
+
+    def before_micro_batches(self) -> None:
+        table = self.embeddings.weight
+        table = table.full_tensor() if isinstance(table, DTensor) else table
+        self.embed = functools.partial(F.embedding, weight=table.detach())
+
+    def after_micro_batches(self) -> None:
+        for param in self.head.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad)
+            param.grad /= float(dist.get_world_size())
 
     def _mean(self, values: torch.Tensor) -> float:
         total = torch.tensor([float(values.sum()), values.numel()], dtype=torch.float64)
@@ -115,7 +131,7 @@ class ShardedTrainer(Trainer):
         super().__init__(model, **kwargs)
         self.gradient_scale = float(dist.get_world_size())  # FSDP averages: scaled back to a sum
 
-    log_z_class = ReplicatedLogZ
+    provider_classes: dict[str, type[Provider]] = {**PROVIDERS, "learned_log_z": ReplicatedLogZ}
 
     def step_share(
         self, groups: list[list[Sample]], beta: float, *, total: int, num_micro_batches: int
@@ -171,22 +187,10 @@ class ShardedTrainer(Trainer):
 
     # ------------------------------------------------------------------- the collectives
 
-    def _before_micro_batches(self) -> None:
-        if self.log_z_head is not None:
-            table = self.model.get_input_embeddings().weight
-            table = table.full_tensor() if isinstance(table, DTensor) else table
-            self.log_z_head.embed = functools.partial(F.embedding, weight=table.detach())
-
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
         keys = sorted(sums)  # the same order on every rank
         values = torch.tensor([sums[key] for key in keys], dtype=torch.float64)
         dist.all_reduce(values)
-        if self.log_z_head is not None:  # replicated: its gradients are averaged by hand
-            for param in self.log_z_head.parameters():
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad)
-                param.grad /= self.gradient_scale
         return dict(zip(keys, values.tolist()))
 
     def _clip_grad_norm(self) -> float:

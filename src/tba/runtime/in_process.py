@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tba.core import Sample
-from tba.runtime.pool import Searchers
+from tba.runtime.searchers import Searchers
 from tba.searcher import PromptStream, Searcher
 from tba.trainer import WeightVersions
 

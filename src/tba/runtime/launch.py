@@ -28,11 +28,11 @@ from tba.runtime.placement import (
     shares_trainer_model,
     trainer_device,
 )
-from tba.runtime.pool import Searchers
 from tba.runtime.ray_cluster import ray_session
 from tba.runtime.ray_pool import RaySearchers
 from tba.runtime.ray_trainer import RankedTrainer
-from tba.searcher import Searcher, SearchSettings
+from tba.runtime.searchers import Searchers
+from tba.searcher import Searcher
 from tba.trainer import Trainer, trainer_settings
 
 
@@ -82,9 +82,8 @@ def open_searchers(
             lora=config.lora, quantization=config.quantization,
         )  # fmt: skip
         searcher = Searcher(
-            model, tokenizer, task.train_rows, task.reward_fns,
-            SearchSettings.from_config(config), seed=config.seed, model_dir=str(policy_dir),
-            shares_trainer_model=shared,
+            model, tokenizer, task.train_rows, task.reward_fns, config, seed=config.seed,
+            model_dir=str(policy_dir), shares_trainer_model=shared,
         )  # fmt: skip
         local = InProcessSearchers(searcher)
         if state:

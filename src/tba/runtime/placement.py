@@ -59,13 +59,6 @@ def shares_trainer_model(config: RunConfig, trainer: WeightVersions) -> bool:
     return same_device(searcher_device(config), next(trainer.model.parameters()).device)
 
 
-def engine_gpus(config: RunConfig) -> int:
-    """The whole GPUs one searcher's engine spans: a vLLM engine's
-    `searchers.vllm.tensor_parallel_size`; the builtin sampler samples on one device."""
-    sc = config.searchers
-    return sc.vllm.tensor_parallel_size if sc.engine == "vllm" else 1
-
-
 def trainer_gpus(config: RunConfig) -> int:
     """The GPUs of this machine that the trainer holds, which `searchers.num_gpus=auto` leaves
     to it: its ranks' (`trainer.world_size` × `trainer.num_gpus`, rounded up; Ray reserves them),
@@ -81,10 +74,10 @@ def trainer_gpus(config: RunConfig) -> int:
 def searcher_gpu_share(searchers: int, free: int, engine: int = 1) -> float:
     """The GPUs each of `searchers` processes reserves under `searchers.num_gpus=auto`, where
     the trainer leaves `free` whole GPUs of this machine and each searcher's engine spans
-    `engine` (`engine_gpus`):
+    `engine` (`searchers.engine`'s `gpus()`):
 
-    - searchers × engine <= free: `engine` whole GPUs each (1 for the builtin sampler, which
-      uses one device; more would sit idle), the GPUs left over stay free;
+    - searchers × engine <= free: `engine` whole GPUs each (1 for an engine that uses one device,
+      as the builtin sampler does; more would sit idle), the GPUs left over stay free;
     - more searchers than free GPUs: 1 / k of a GPU each, k = ceil(searchers / free) on each
       GPU (not free / searchers, which Ray could not pack without splitting a searcher across
       two GPUs), rounded down to Ray's resolution (1e-4) so that k fit in one;
@@ -93,9 +86,9 @@ def searcher_gpu_share(searchers: int, free: int, engine: int = 1) -> float:
     ValueError where an engine spans several GPUs and they are not there: a vLLM engine with
     tensor parallelism needs whole GPUs."""
     if engine > 1 and searchers * engine > free:
-        raise ValueError(f"{searchers} searcher(s) with searchers.vllm.tensor_parallel_size="
-                         f"{engine} need {searchers * engine} whole GPUs, and the trainer "
-                         f"leaves {max(free, 0)} of this machine's")  # fmt: skip
+        raise ValueError(f"{searchers} searcher(s) whose engines span {engine} GPUs each need "
+                         f"{searchers * engine} whole GPUs, and the trainer leaves "
+                         f"{max(free, 0)} of this machine's")  # fmt: skip
     if free <= 0:
         return 1.0 / (searchers + 1)
     if searchers <= free:
@@ -109,8 +102,8 @@ def searcher_gpus(config: RunConfig) -> tuple[float, str]:
     none without searcher processes, on a cluster (`ray.address`: its GPUs are not this
     machine's to count, and are counted only once Ray has started, after the device checks),
     with `searchers.device=cpu` or on a machine without CUDA. ConfigError where `auto` finds no
-    way: a vLLM engine's tensor parallelism without the whole GPUs for it, or trainer ranks
-    that reserve every GPU."""
+    way: an engine that spans several GPUs (a vLLM engine's tensor parallelism) without the
+    whole GPUs for it, or trainer ranks that reserve every GPU."""
     sc = config.searchers
     if sc.num_gpus != "auto":
         return sc.num_gpus, ""
@@ -124,7 +117,8 @@ def searcher_gpus(config: RunConfig) -> tuple[float, str]:
         return 0.0, "this machine has no CUDA device"
     gpus, held, tc = torch.cuda.device_count(), trainer_gpus(config), config.trainer
     free = max(gpus - held, 0)
-    if tc.world_size > 1 and free == 0 and engine_gpus(config) == 1:
+    engine = sc.engine.gpus()
+    if tc.world_size > 1 and free == 0 and engine == 1:
         left = gpus - tc.world_size * tc.num_gpus  # of the one GPU, beside fractional ranks
         if gpus == 1 and left > 0:
             share = math.floor(1e4 * left / sc.count) / 1e4  # to Ray's 1e-4, rounded down
@@ -136,11 +130,11 @@ def searcher_gpus(config: RunConfig) -> tuple[float, str]:
             "give the ranks fewer GPUs"
         )  # fmt: skip
     try:
-        share = searcher_gpu_share(sc.count, free, engine_gpus(config))
+        share = searcher_gpu_share(sc.count, free, engine)
     except ValueError as error:
-        raise ConfigError(f"searchers.num_gpus=auto: {error}; set searchers.count, "
-                          "searchers.vllm.tensor_parallel_size or trainer.world_size "
-                          "to fit") from None  # fmt: skip
+        spans = sc.engine.gpus_named()  # key=value
+        raise ConfigError(f"searchers.num_gpus=auto: {error} ({spans}); set searchers.count, "
+                          f"{spans.partition('=')[0]} or trainer.world_size to fit") from None
     if free == 0:
         return share, "a share of the trainer's GPU"
     if share >= 1:

@@ -28,26 +28,30 @@ from pathlib import Path
 
 import torch
 
-from tba.config import LoraConfig, QuantizationConfig
+from tba.config import RunConfig
 from tba.core import RewardFn, Sample
 from tba.errors import RunError
+from tba.policy.engines import Engine
 from tba.policy.model import get_weights, load_policy, resolve_device
 from tba.policy.tokenizer import load_tokenizer
 from tba.quiet import quiet_libraries
 from tba.runtime.transfer import Offer, ReceiverPlace, Receiving
-from tba.searcher import Searcher, SearchSettings
+from tba.searcher import Searcher
 
 
 class SearcherActor:
     """A `Searcher` in its own process, generating in a background thread (`start`) or one batch
-    at a time (`generate_batch`), with the weights the trainer offers."""
+    at a time (`generate_batch`), with the weights the trainer offers. `config`: the run's (the
+    searcher's settings, and how its policy loads: `policy.dtype`, `lora`, `quantization`);
+    `engine`: the class of its engine, the trainer's own (an engine registered in the trainer's
+    process alone is not in this one's registry)."""
 
     def __init__(
         self,
         policy_dir: str,
         rows: list[dict],
         reward_fns: list[RewardFn],
-        settings: SearchSettings,
+        config: RunConfig,
         *,
         searcher_id: int,
         seed: int,
@@ -58,9 +62,7 @@ class SearcherActor:
         stream_seed: int | None = None,
         stream_taken: int = 0,
         ledger_path: str | None = None,
-        dtype: str = "float32",
-        lora: LoraConfig | None = None,
-        quantization: QuantizationConfig | None = None,
+        engine: type[Engine] | None = None,
     ) -> None:
         # Ray sets OMP_NUM_THREADS=1 in workers; the thread count is ours to choose.
         torch.set_num_threads(num_threads)
@@ -70,13 +72,13 @@ class SearcherActor:
         # (None when the class is used outside Ray, as the tests do.)
         self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         quiet_libraries()
-        tokenizer = load_tokenizer(policy_dir, chat_template=settings.chat_template)
-        model = load_policy(policy_dir, resolve_device(device), dtype=dtype, lora=lora,
-                            quantization=quantization)  # fmt: skip
+        tokenizer = load_tokenizer(policy_dir, chat_template=config.policy.chat_template)
+        model = load_policy(policy_dir, resolve_device(device), dtype=config.policy.dtype,
+                            lora=config.lora, quantization=config.quantization)  # fmt: skip
         self.searcher = Searcher(
-            model, tokenizer, rows, reward_fns, settings, searcher_id=searcher_id, seed=seed,
+            model, tokenizer, rows, reward_fns, config, searcher_id=searcher_id, seed=seed,
             incarnation=incarnation, stream_seed=stream_seed, stream_taken=stream_taken,
-            model_dir=policy_dir,
+            model_dir=policy_dir, engine=engine,
         )  # fmt: skip
         self.ledger_path = ledger_path
         self._ledger_lock = threading.Lock()
@@ -184,9 +186,9 @@ class SearcherActor:
         self._counters["weight_updates"] += 1
 
     def _whereabouts(self) -> dict:
-        engine_start = getattr(self.searcher.engine, "start_seconds", None)
         return {"pid": os.getpid(), "node": self.node, "nice": self.niceness,
-                "engine_start_seconds": engine_start, "version": self.searcher.version,
+                "engine_start_seconds": self.searcher.engine.start_seconds,
+                "version": self.searcher.version,
                 **self.receiving.report()}  # fmt: skip
 
     def _loop(self, prompts_per_batch: int, max_unsent: int) -> None:

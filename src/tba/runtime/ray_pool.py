@@ -28,13 +28,13 @@ import numpy as np
 from tba.config import RunConfig
 from tba.core import EventLogger, Sample, Task
 from tba.errors import SearcherError, first_line
+from tba.policy.engines import ENGINES
 from tba.runtime.placement import searcher_gpus
-from tba.runtime.pool import AsyncSearchers
 from tba.runtime.ray_actor import SearcherActor
 from tba.runtime.ray_cluster import cluster_address
+from tba.runtime.searchers import AsyncSearchers
 from tba.runtime.transfer import SenderPlace, open_chain
 from tba.runtime.transfer.buckets import BucketCache
-from tba.searcher import SearchSettings
 from tba.trainer import WeightVersions
 
 LEDGER_CLOSE_TIMEOUT_S = 5.0  # a live searcher answers at once: its generation runs in a thread
@@ -312,17 +312,17 @@ class RaySearchers(AsyncSearchers):
 
     def _spawn(self, i: int, incarnation: int, stream_taken: int) -> Any:
         """Searcher i's process: its own sampling seed per incarnation, while the prompt stream
-        is the searcher's (seeded as incarnation 0) and continues at `stream_taken`."""
+        is the searcher's (seeded as incarnation 0) and continues at `stream_taken`. It gets the
+        run's config and its engine's class from this process's registry (Ray sends a class
+        registered from a script or a test by value)."""
         sc, seed = self.config.searchers, self.config.seed
         return self._actor.remote(
-            self.policy_dir, self._rows, self.reward_fns, SearchSettings.from_config(self.config),
+            self.policy_dir, self._rows, self.reward_fns, self.config,
             searcher_id=i, seed=searcher_seed(seed, i, incarnation),
             device=sc.device, num_threads=sc.num_threads or max(1, round(sc.num_cpus)),
             weights_timeout_s=self.timeout, incarnation=incarnation,
             stream_seed=searcher_seed(seed, i, 0), stream_taken=stream_taken,
-            ledger_path=self._ledger_path(i, incarnation),
-            dtype=self.config.policy.dtype, lora=self.config.lora,
-            quantization=self.config.quantization,
+            ledger_path=self._ledger_path(i, incarnation), engine=ENGINES[sc.engine.type],
         )  # fmt: skip
 
     def _ledger_path(self, i: int, incarnation: int) -> str | None:

@@ -164,6 +164,9 @@ def prepare_rows(rows: Iterable[dict], template: str | None, where: str) -> tupl
             raise DatasetError(f"{where}: row {number}'s `prompt` is a {type(prompt).__name__} "
                                f"({prompt!r:.40}), not text or a conversation (a list of "
                                "messages)")  # fmt: skip
+        elif not prompt.strip():  # "" in JSON or a Python list of rows: as an empty CSV cell
+            raise DatasetError(f"{where}: row {number}'s `prompt` is empty: every row needs a "
+                               "prompt (text or a conversation)")  # fmt: skip
         prepared.append(row)
     if not prepared:
         raise DatasetError(f"{where} has no rows")

@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from tba.lazy import Lazy
+from tba.lazy_models import Lazy
 from tba.policy.logprobs import log_softmax, response_logits
 from tba.policy.model import load_model
 from tba.policy.sampling import generate_batched

@@ -36,7 +36,11 @@ def report_to(value: Any) -> dict[str, Any]:
 
 
 def bf16(value: Any) -> dict[str, Any]:
-    return {"policy.dtype": "bfloat16"} if value else {}
+    """bf16=True: bf16 weights; bf16=False: float32, as the script says (tba's own default,
+    `auto`, may choose bf16 on a CPU that multiplies it natively); None: not set."""
+    if value is None:
+        return {}
+    return {"policy.dtype": "bfloat16" if value else "float32"}
 
 
 def cpu(value: Any) -> dict[str, Any]:
@@ -137,13 +141,14 @@ def model_init(value: Any) -> dict[str, Any]:
 
 
 def policy_dtype(dtype: Any, what: str) -> dict[str, Any]:
-    """A torch dtype (or its name) as policy.dtype: float32 (tba's default) or bfloat16. One
-    parse for every argument that names a dtype, so that they agree."""
+    """A torch dtype (or its name) as policy.dtype: float32 or bfloat16 as named; `auto` leaves
+    tba's own choice (`policy.dtype=auto`). One parse for every argument that names a dtype, so
+    that they agree."""
     name = str(dtype).removeprefix("torch.")
-    if name in ("auto", "float32"):
+    if name == "auto":
         return {}
-    if name == "bfloat16":
-        return {"policy.dtype": "bfloat16"}
+    if name in ("float32", "bfloat16"):
+        return {"policy.dtype": name}
     raise ValueError(f"{what}: tba computes in float32 or bfloat16")
 
 

@@ -19,6 +19,9 @@ class Mapped:
     keys: str  # the tba settings it sets, for the docs
     convert: Callable[[Any], dict[str, Any]]
     why: str = ""  # what the docs add: where the meaning is not one setting's
+    # A boolean argument without which this one has no effect in TRL (`use_vllm` for vLLM's
+    # settings): without it, the argument is accepted without effect here too.
+    only_with: str | None = None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from tba.errors import ConfigError
 from tba.keys import get_key, has_key, set_key
-from tba.objectives import OBJECTIVES
+from tba.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
 from tba.trl_args.converters import TRACKERS
 from tba.trl_args.reading import TrlSettings, from_trl
 
@@ -53,7 +53,7 @@ def _check_single_completions(data: dict[str, Any], trl: TrlSettings) -> None:
     other completions. Said of the arguments the script wrote, not of the K they gave."""
     if trl.settings.get("train.group_size") != 1 or "train.group_size" not in trl.sources:
         return
-    loss = get_key(data, "train.loss", "tb")
+    loss = get_key(data, "train.loss", DEFAULT_OBJECTIVE)
     objective = OBJECTIVES.get(loss)
     if objective is None or objective.needs.group_statistics:
         return

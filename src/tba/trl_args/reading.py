@@ -32,7 +32,7 @@ def from_trl(arguments: dict[str, Any], defaults: dict[str, Any] = TRL_DEFAULTS)
     values = defaults | arguments
     for name, value in values.items():
         if name not in BATCH_ARGUMENTS:
-            _read(result, name, value, given=name in arguments)
+            _read(result, name, value, given=name in arguments, values=values)
     batch = {name: values[name] for name in BATCH_ARGUMENTS if name in values}
     if batch:
         given = [f"{name}={value!r}" for name, value in batch.items() if name in arguments]
@@ -41,8 +41,10 @@ def from_trl(arguments: dict[str, Any], defaults: dict[str, Any] = TRL_DEFAULTS)
     return result
 
 
-def _read(result: TrlSettings, name: str, value: Any, given: bool) -> None:
-    """One argument (not a batch one) by its table entry: refused, ignored or converted."""
+def _read(result: TrlSettings, name: str, value: Any, given: bool,
+          values: dict[str, Any]) -> None:  # fmt: skip
+    """One argument (not a batch one) by its table entry: refused, ignored or converted (without
+    the argument it takes effect only with, among `values`: ignored, as TRL ignores it)."""
     entry = TRL_ARGUMENTS.get(name)
     if entry is None:
         raise ConfigError(f"unknown setting {name!r}: not a tba section nor a GRPOConfig "
@@ -52,6 +54,9 @@ def _read(result: TrlSettings, name: str, value: Any, given: bool) -> None:
             raise ConfigError(f"{name}={_shown(value)} has no tba equivalent: {entry.reason}")
     elif isinstance(entry, Ignored):
         result.ignored.append(f"{name}={_shown(value)}")
+    elif entry.only_with is not None and not values.get(entry.only_with):
+        if given:
+            result.ignored.append(f"{name}={_shown(value)} (without {entry.only_with}=True)")
     else:
         try:
             converted = entry.convert(value)
@@ -62,6 +67,10 @@ def _read(result: TrlSettings, name: str, value: Any, given: bool) -> None:
 
 def _add(result: TrlSettings, settings: dict[str, Any], source: str, given: bool) -> None:
     for key, value in settings.items():
+        if key == "policy.dtype" and value == "float32" and result.settings.get(key) == "bfloat16":
+            # bf16 named by one argument wins over float32 named by another (bf16=True beside a
+            # quantization config's float32 compute dtype), whichever the script wrote first.
+            continue
         result.settings[key] = value
         result.sources[key] = source
         if given:

@@ -44,6 +44,15 @@ _VLLM = ("tba's vLLM engines run inside its searcher processes, neither as a ser
 _SAMPLING = "TB's behaviour log-probs are those of plain sampling at policy.temperature"
 _ADAM = "tba's optimizer is AdamW with its own betas and epsilon"
 
+
+def _vllm(setting: str) -> Mapped:
+    """One of the vLLM engine's settings (`searchers.engine.<setting>`): as in TRL, it takes
+    effect with `use_vllm=True` alone."""
+    key = f"searchers.engine.{setting}"
+    return Mapped(key, to(key).convert, "with use_vllm=True (without it, no effect, as in TRL)",
+                  only_with="use_vllm")
+
+
 TRL_ARGUMENTS: dict[str, Mapped | Ignored | Refused] = {
     # What is trained, and how long.
     "output_dir": to("output_dir"),
@@ -84,11 +93,11 @@ TRL_ARGUMENTS: dict[str, Mapped | Ignored | Refused] = {
     "vllm_structured_outputs_regex": Refused(f"constrained decoding: {_SAMPLING}",
                                              lambda v: v is None),
     "use_vllm": Mapped("searchers.engine=vllm",
-                       lambda value: {"searchers.engine": "vllm" if value else "builtin"},
+                       lambda value: {"searchers.engine.type": "vllm" if value else "builtin"},
                        "vLLM inside each searcher process"),
-    "vllm_gpu_memory_utilization": to("searchers.vllm.gpu_memory_utilization"),
-    "vllm_tensor_parallel_size": to("searchers.vllm.tensor_parallel_size"),
-    "vllm_max_model_length": to("searchers.vllm.max_model_len"),
+    "vllm_gpu_memory_utilization": _vllm("gpu_memory_utilization"),
+    "vllm_tensor_parallel_size": _vllm("tensor_parallel_size"),
+    "vllm_max_model_length": _vllm("max_model_len"),
     **dict.fromkeys(["vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
                      "vllm_server_timeout", "vllm_group_port", "ds3_gather_for_generation",
@@ -96,7 +105,7 @@ TRL_ARGUMENTS: dict[str, Mapped | Ignored | Refused] = {
                      "transformers_continuous_batching_config", "use_transformers_paged",
                      "cache_implementation"], Ignored(_VLLM)),  # fmt: skip
     # Precision and devices.
-    "bf16": Mapped("policy.dtype=bfloat16", bf16),
+    "bf16": Mapped("policy.dtype", bf16, "True: bfloat16, False: float32 (unset: tba's auto)"),
     "fp16": Refused("use bf16=True (policy.dtype=bfloat16)", same(False)),
     "use_cpu": Mapped("policy.device, searchers.device, task.reward_device = cpu", cpu),
     "no_cuda": Mapped("policy.device, searchers.device, task.reward_device = cpu", cpu),

@@ -135,7 +135,8 @@ class TransferChain:
                 raise ConfigError(f"searchers.weight_transfer={name}: {why}") from None
             self._leave_out(name, str(why))
             return None
-        if name == OBJECT_STORE and self.auto and self.trainer.trains_here:
+        if name == OBJECT_STORE and self.trainer.trains_here:
+            # A copy on demand, from the buckets another transport (shared, broadcast) holds.
             sets = self.place.buckets.sets
             self.senders[name].source = sets.latest_numpy if sets is not None else None
         return self.senders[name]

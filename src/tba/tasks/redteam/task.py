@@ -40,7 +40,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from tba.config import TaskConfig
 from tba.core import Task
-from tba.lazy import Lazy
+from tba.lazy_models import Lazy
 from tba.policy.model import load_model, resolve_device
 from tba.policy.sampling import generate_texts
 from tba.policy.tokenizer import encode_prompts, load_tokenizer

@@ -1,106 +1,39 @@
-"""Generation engines: what a searcher samples its responses with.
-
-Both engines return, per response, its token ids (EOS included when it ended), the log-prob of
-each sampled token under the distribution it was sampled from, and whether it was cut off at the
-length limit (`tba.policy.sampling.Generation`). Those per-token log-probs are the behaviour
-log-probs of TB's trust region and of the clipped baselines: `log_softmax(logits / T)[token]` at
-the sampling temperature T, over the whole vocabulary (no top-p, top-k or penalties), the same
-quantity the trainer computes (`tba.policy.logprobs`).
-
-- `BuiltinEngine` (`searchers.engine=builtin`, the default): the KV-cache sampler of
-  `tba.policy.sampling` over the Hugging Face model the searcher holds, by the loop or the static
-  path (`policy.sampler`; `auto`: the compiled static path on CUDA, the loop on a CPU). On a CPU
-  and a tiny model it is the faster engine.
-- `VllmEngine` (`searchers.engine=vllm`): a vLLM engine in the searcher's process, for GPUs:
-  paged attention, continuous batching, CUDA graphs. vLLM returns its "processed" log-probs
-  (`logprobs_mode="processed_logprobs"`: after temperature scaling, the log-softmax of the logits
-  it sampled from), which is exactly the quantity above. New weights go into the running engine
-  without a restart (`reload_weights`, in place, with the weights as tensors: the engine runs in
-  this process). The K samples of a prompt are one request with `n = K`, sharing one prefill.
-"""
+"""The vLLM engine (`searchers.engine=vllm`): a vLLM engine in the searcher's process, for GPUs:
+paged attention, continuous batching, CUDA graphs. vLLM returns its "processed" log-probs
+(`logprobs_mode="processed_logprobs"`: after temperature scaling, the log-softmax of the logits
+it sampled from), which is exactly the behaviour log-prob every engine returns
+(`tba.policy.engines.base`). New weights go into the running engine without a restart
+(`reload_weights`, in place, with the weights as tensors: the engine runs in this process). The K
+samples of a prompt are one request with `n = K`, sharing one prefill. Its settings are
+`searchers.engine`'s when its type is `vllm` (`tba.config.VllmEngineSettings`)."""
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tba.config import PolicyConfig, VllmEngineSettings
 from tba.errors import ConfigError
+from tba.policy.engines.base import Engine
 from tba.policy.gguf import gguf_file
 from tba.policy.model import policy_state_dict
-from tba.policy.sampling import Generation, SamplerKind, sampler_for
-
-
-class Engine(Protocol):
-    """What a searcher generates with."""
-
-    def generate(
-        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float
-    ) -> Generation:
-        """One response per prompt (repeat a prompt to get several)."""
-
-    def load_weights(self, model: PreTrainedModel) -> None:
-        """Generate with the weights `model` now holds (the searcher's copy of the policy)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the engine (its random state), to resume exactly."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class BuiltinEngine:
-    """The KV-cache sampler over the searcher's own model, with a seeded generator (saved in
-    checkpoints: a resumed run draws the same samples, on either path)."""
-
-    def __init__(
-        self, model: PreTrainedModel, eos_id: int, pad_id: int, seed: int,
-        sampler: SamplerKind = "auto",
-    ) -> None:  # fmt: skip
-        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
-        self.sampler = sampler_for(model, sampler)
-        self.generator = torch.Generator(device=next(model.parameters()).device)
-        self.generator.manual_seed(seed)
-
-    def generate(
-        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float
-    ) -> Generation:
-        return self.sampler.generate(prompts, eos_id=self.eos_id, pad_id=self.pad_id,
-                                     max_new_tokens=max_new_tokens, temperature=temperature,
-                                     generator=self.generator)  # fmt: skip
-
-    def load_weights(self, model: PreTrainedModel) -> None:
-        """Nothing to do: it samples with `model` itself."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state().tolist()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
-
+from tba.policy.sampling import Generation
 
 CPU_KV_CACHE_BYTES = 2**30
 
 
-@dataclass(frozen=True)
-class VllmSettings:
-    """The vLLM engine's settings (`searchers.vllm`)."""
-
-    gpu_memory_utilization: float = 0.3
-    kv_cache_gb: float | None = None
-    max_model_len: int | None = None
-    dtype: str = "float32"
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = False
-
-
-class VllmEngine:
+class VllmEngine(Engine):
     """A vLLM engine over the policy's directory, in this process."""
 
-    def __init__(self, model_dir: str, eos_id: int, seed: int, settings: VllmSettings) -> None:
+    name = "vllm"
+
+    def __init__(self, model_dir: str, eos_id: int, seed: int, settings: VllmEngineSettings,
+                 policy_dtype: str = "float32") -> None:  # fmt: skip
+        """`policy_dtype`: the policy's (`policy.dtype`), which `settings.dtype=auto` takes."""
         # The engine core in this process (not in one vLLM spawns): weights then reach it as
         # tensors, not as lists (what crossing vLLM's process boundary makes of them).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -111,7 +44,7 @@ class VllmEngine:
         vllm = require_vllm()
         start = time.time()
         self.llm = vllm.LLM(
-            model=model_dir, dtype=settings.dtype, seed=seed,
+            model=model_dir, dtype=engine_dtype(settings, policy_dtype), seed=seed,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             kv_cache_memory_bytes=_kv_cache_bytes(settings),
             max_model_len=settings.max_model_len,
@@ -124,6 +57,20 @@ class VllmEngine:
         self.sampling = vllm.SamplingParams
         self.eos_id = eos_id
         self.update_seconds = 0.0  # the last weight update's
+
+    @classmethod
+    def start(
+        cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, seed: int,
+        model_dir: str | None, policy: PolicyConfig, settings: VllmEngineSettings,
+    ) -> VllmEngine:  # fmt: skip
+        """It loads the base weights from `model_dir` (fresh adapters leave them unchanged)."""
+        if model_dir is None:
+            raise ValueError("a vLLM engine needs the model's directory (model_dir)")
+        return cls(model_dir, tokenizer.eos_token_id, seed, settings, policy.dtype)
+
+    @classmethod
+    def check_available(cls) -> None:
+        require_vllm()
 
     def generate(
         self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float
@@ -161,11 +108,13 @@ class VllmEngine:
         """vLLM's sampling state cannot be saved: a resumed run samples anew."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing to restore (see `state_dict`)."""
+
+def engine_dtype(settings: VllmEngineSettings, policy_dtype: str) -> str:
+    """The engine's weights: `settings.dtype`, or with `auto` the policy's."""
+    return policy_dtype if settings.dtype == "auto" else settings.dtype
 
 
-def _kv_cache_bytes(settings: VllmSettings) -> int | None:
+def _kv_cache_bytes(settings: VllmEngineSettings) -> int | None:
     """The KV cache's size: as set; else on a GPU vLLM's own sizing (a share of the device's
     memory), and on vLLM's CPU backend 1 GiB: there the share is of the machine's RAM less what
     this process already holds (the trainer's or searcher's own model), often nothing."""
