@@ -290,7 +290,12 @@ def test_cli_config_bad_override_exits_2(capsys):
 def test_example_configs_load_and_differ_from_the_defaults_only_as_they_say():
     configs = Path(__file__).parent.parent / "configs"
     defaults = load_config().model_dump()
-    assert load_config(configs / "math_async.yaml").model_dump() == defaults
+    # The defaults, with the mode that `auto` decides for the embedded policy written out.
+    asynchronous = load_config(configs / "math_async.yaml").model_dump()
+    assert asynchronous["train"] == defaults["train"] | {"mode": "async"}
+    assert {k: v for k, v in asynchronous.items() if k != "train"} == {
+        k: v for k, v in defaults.items() if k != "train"
+    }
     sync = load_config(configs / "math_sync.yaml").model_dump()
     assert sync["train"] == defaults["train"] | {"mode": "sync"}
     assert sync["searchers"] == defaults["searchers"] | {"count": 0}
@@ -301,8 +306,10 @@ def test_example_configs_load_and_differ_from_the_defaults_only_as_they_say():
 
 def test_in_process_searcher_needs_the_sync_mode():
     with pytest.raises(ConfigError, match="searchers.count=0 .* needs train.mode=sync"):
-        load_config(None, ["searchers.count=0"])
+        load_config(None, ["searchers.count=0", "train.mode=async"])
     assert load_config(None, ["searchers.count=0", "train.mode=sync"]).searchers.count == 0
+    # `auto`, the default, is then sync (tests/test_mode_auto.py).
+    assert load_config(None, ["searchers.count=0"]).train.mode == "auto"
 
 
 @pytest.mark.parametrize(

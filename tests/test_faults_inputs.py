@@ -95,7 +95,10 @@ def test_fresh_uses_in_the_every_step_sync_mode_is_refused_naming_what_to_set(ca
             "train.sync_generate=every_step") in lines[0]  # fmt: skip
     assert "set train.sync_generate=when_needed" in lines[0]
     assert load_config(None, [*sync, "train.sync_generate=when_needed"]).buffer.fresh_uses == 2
-    assert load_config(None, ["buffer.fresh_uses=2"]).train.mode == "async"  # it applies there
+    # It applies asynchronously: accepted with `auto`, which then decides async
+    # (tests/test_mode_auto.py), and with async.
+    assert load_config(None, ["buffer.fresh_uses=2"]).train.mode == "auto"
+    assert load_config(None, ["buffer.fresh_uses=2", "train.mode=async"]).buffer.fresh_uses == 2
     # TRL's num_iterations sets both: a TRL script in the synchronous mode runs.
     trl = TBAConfig(num_iterations=2, train={"mode": "sync"}, searchers={"count": 0})
     assert trl.buffer.fresh_uses == 2 and trl.train.sync_generate == "when_needed"

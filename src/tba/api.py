@@ -381,9 +381,12 @@ def _write_model_card(final: Path, repo_id: str, config: RunConfig, card: dict[s
     dataset = card.pop("dataset_name", None)
     metadata = {"tags": tags, "datasets": [dataset] if dataset else None, **card}
     lines = [f"{key}: {json.dumps(value)}" for key, value in metadata.items() if value is not None]
+    # The mode the run trained in, which eval.json says (`train.mode=auto` is decided by the run).
+    summary = final.parent / "eval.json"
+    mode = json.loads(summary.read_text())["mode"] if summary.is_file() else config.train.mode
     (final / "README.md").write_text("\n".join([
         "---", *lines, "---", "", f"# {repo_id}", "",
-        f"Post-trained with tba ({config.train.loss} objective, {config.train.mode} mode) from "
+        f"Post-trained with tba ({config.train.loss} objective, {mode} mode) from "
         f"`{config.policy.model}`.", "",
     ]))
 

@@ -2,9 +2,9 @@
 
 `train` reads as the run goes: the checks that need nothing loaded (`PREFLIGHT_RULES`), the run
 directory (a new one, or the run to resume and its newest checkpoint), the task and the policy
-(its dtype decided, `tba.policy.cpu`), the trainer and the searchers, the base policy's
-evaluation, the training loop (`tba.loop.TrainLoop`), the final evaluation and the save: eval.json,
-the trained policy in final/ and the curves.
+(its dtype and the training mode decided, `tba.policy.cpu`), the trainer and the searchers, the
+base policy's evaluation, the training loop (`tba.loop.TrainLoop`), the final evaluation and the
+save: eval.json, the trained policy in final/ and the curves.
 
 The trainer runs in this process, or as `trainer.world_size` Ray actors that shard the policy;
 the searchers run as Ray actors (`searchers.count >= 1`) or, in the synchronous mode with
@@ -45,9 +45,9 @@ from tba.interrupts import (
 from tba.limits import check_unfinished, limits_line, step_limit
 from tba.loop import TrainLoop, evaluate
 from tba.plots import plot_curves
-from tba.policy.cpu import resolve_dtype
+from tba.policy.cpu import resolve_dtype, resolve_mode, usable_cpus
 from tba.policy.engines import ENGINES
-from tba.policy.model import save_policy
+from tba.policy.model import resolve_device, save_policy
 from tba.policy.optimizers import check_optimizer
 from tba.policy.quantization import check_quantization
 from tba.policy.tokenizer import load_tokenizer
@@ -67,7 +67,7 @@ from tba.run_dir import (
 )
 from tba.runtime.feed import FEEDS
 from tba.runtime.launch import open_searchers, open_trainer
-from tba.runtime.placement import check_devices, trainer_device
+from tba.runtime.placement import check_devices, searcher_device, trainer_device
 from tba.runtime.ray_cluster import check_cluster
 from tba.runtime.ray_trainer import RankedTrainer
 from tba.tasks import load_task, resolve_policy
@@ -115,11 +115,12 @@ def _train(
 ) -> Path:  # fmt: skip
     """The recipe of `train`: its steps in the order they run."""
     log = console.log
-    _set_trainer_threads(config)
+    torch_threads = torch.get_num_threads()  # torch's own, where the mode's feed leaves them
+    _set_trainer_threads(config, torch_threads)
     check_before_loading(config)
     own_code = task is None  # the code its config names is the user's, imported below: recorded
     run_dir = checkpoint = None
-    dtype_line: list[str] = []  # said once the run directory is settled: a refusal is one line
+    decided: list[str] = []  # said once the run directory is settled: a refusal is one line
     if resume:  # the directory is ours and the checkpoint fits before any task world is built
         run_dir, checkpoint = _resumed_checkpoint(config, owner, stop, log)
     if task is None:
@@ -127,7 +128,7 @@ def _train(
                          cache_dir=config.pretrain.cache_dir, log=log)  # fmt: skip
     # So is the model, unless it comes with the run (`save_policy`) and is only written below.
     if save_policy is None:
-        policy_dir, config = _fetch_policy(config, checkpoint, log, dtype_line)
+        policy_dir, config = _fetch_policy(config, checkpoint, log, decided)
     check_reward_weights(config.task.reward_weights, len(task.reward_fns))
     replacement = None
     if checkpoint is not None:
@@ -139,23 +140,29 @@ def _train(
     if save_policy is not None:
         if not (Path(config.policy.model) / "config.json").exists():
             save_policy(Path(config.policy.model))
-        policy_dir, config = _fetch_policy(config, checkpoint, log, dtype_line)
-    for line in dtype_line:
+        policy_dir, config = _fetch_policy(config, checkpoint, log, decided)
+    for line in decided:
         log(line)
+    _set_trainer_threads(config, torch_threads)  # by the mode decided
     _record_config(run_dir, config, own_code)
     return _run(config, run_dir, task, policy_dir, checkpoint, replacement, console, stop, advice)
 
 
-def _set_trainer_threads(config: RunConfig) -> None:
-    """This process's torch threads, before anything computes (`trainer_threads`)."""
-    threads = trainer_threads(config)
-    if threads:
-        torch.set_num_threads(threads)
+def _set_trainer_threads(config: RunConfig, default: int) -> None:
+    """This process's torch threads (`trainer_threads`, or `default` where they are left to
+    torch): before anything computes, and again once `train.mode=auto` is decided."""
+    torch.set_num_threads(trainer_threads(config) or default)
 
 
 def trainer_threads(config: RunConfig) -> int | None:
-    """Torch threads of the trainer: as configured, else what its mode's feed leaves it."""
-    return config.policy.num_threads or FEEDS[config.train.mode].trainer_threads(config)
+    """Torch threads of the trainer: as configured, else what its mode's feed leaves it. Before
+    `train.mode=auto` is decided (while the policy is fetched, or an embedded one pretrained),
+    the feed of the mode it is decided to where it says nothing else: async, unless
+    `searchers.count=0`."""
+    mode = config.train.mode
+    if mode == "auto":
+        mode = "sync" if config.searchers.count == 0 else "async"
+    return config.policy.num_threads or FEEDS[mode].trainer_threads(config)
 
 
 # ------------------------------------------------------------------- checks before anything loads
@@ -246,12 +253,14 @@ def _settle_resumed_end(
 
 
 def _fetch_policy(
-    config: RunConfig, checkpoint: Checkpoint | None, log: Log, dtype_line: list[str]
+    config: RunConfig, checkpoint: Checkpoint | None, log: Log, decided: list[str]
 ) -> tuple[Path, RunConfig]:
     """The policy's local directory (`resolve_policy`), and `config` with a concrete
-    `policy.dtype` (`with_concrete_dtype`, its line appended to `dtype_line`)."""
+    `policy.dtype` and `train.mode` (`with_concrete_dtype`, `with_concrete_mode`, their lines
+    appended to `decided`)."""
     policy_dir = resolve_policy(config.policy.model, config.pretrain, config.seed, log)
-    return policy_dir, with_concrete_dtype(config, policy_dir, checkpoint, dtype_line.append)
+    config = with_concrete_dtype(config, policy_dir, checkpoint, decided.append)
+    return policy_dir, with_concrete_mode(config, policy_dir, checkpoint, decided.append)
 
 
 def with_concrete_dtype(
@@ -269,6 +278,73 @@ def with_concrete_dtype(
         dtype, line = resolve_dtype(setting, trainer_device(config), policy_dir)
     log(line)
     return config.model_copy(update={"policy": config.policy.model_copy(update={"dtype": dtype})})
+
+
+def with_concrete_mode(
+    config: RunConfig, policy_dir: Path, checkpoint: Checkpoint | None, log: Log,
+    cpus: int | None = None,
+) -> RunConfig:  # fmt: skip
+    """`config` with `train.mode` decided, before it is written or reaches the searchers: `auto`
+    by where the run computes, its cores (`cpus`, default `usable_cpus`) and the model's size
+    (`tba.policy.cpu.resolve_mode`; synchronous, a `searchers.count` left at its default becomes
+    0), or, resumed, as the run was trained (`searchers.count=0` is sync either way). `log` says
+    the mode and why, in one line; a mode set says nothing here (the run's start names it)."""
+    sc = config.searchers
+    default_count = type(sc).model_fields["count"].default
+    # A count other than the default, or a weight transport named (it needs searcher
+    # processes), asks for searcher processes: a synchronous `auto` keeps them.
+    searchers_set = sc.count != default_count or sc.weight_transfer.type != "auto"
+    if config.train.mode == "auto" and checkpoint is not None and sc.count != 0:
+        mode, count = trained_mode(checkpoint)
+        count = sc.count if searchers_set else count
+        line = f"train.mode=auto: {mode} (the mode this run was trained in)"
+    else:
+        mode, count, line = resolve_mode(
+            config.train.mode, sc.count, searchers_set, _run_devices(config), policy_dir,
+            usable_cpus(config.ray.num_cpus) if cpus is None else cpus,
+            elsewhere=_elsewhere(config), async_only=_async_only(config),
+        )  # fmt: skip
+    if line is not None:
+        log(line)
+    return config.model_copy(update={
+        "train": config.train.model_copy(update={"mode": mode}),
+        "searchers": sc.model_copy(update={"count": count}),
+    })  # fmt: skip
+
+
+def trained_mode(checkpoint: Checkpoint) -> tuple[str, int]:
+    """The mode and the searcher processes of the checkpoint's run (its config has them
+    decided; runs from before `train.mode=auto` wrote theirs, the oldest at the defaults of
+    then: async, one searcher)."""
+    saved = checkpoint.state["config"]
+    return (saved.get("train", {}).get("mode") or "async",
+            saved.get("searchers", {}).get("count", 1))  # fmt: skip
+
+
+def _run_devices(config: RunConfig) -> dict[str, torch.device]:
+    """The devices the run computes on, by their settings, resolved: the trainer's, the
+    searchers' and the reward models'. (Trainer ranks, which may reserve GPUs of their own, keep
+    `auto` asynchronous anyway: `_elsewhere`.)"""
+    return {"policy.device": trainer_device(config), "searchers.device": searcher_device(config),
+            "task.reward_device": resolve_device(config.task.reward_device)}  # fmt: skip
+
+
+def _elsewhere(config: RunConfig) -> str | None:
+    """A setting that takes the run beyond one trainer process on this machine's cores."""
+    if config.ray.address is not None:
+        return f"ray.address={config.ray.address}"
+    if config.trainer.world_size > 1:
+        return f"trainer.world_size={config.trainer.world_size}"
+    return None
+
+
+def _async_only(config: RunConfig) -> str | None:
+    """A setting the synchronous mode refuses (`tba.config.run`'s rule on
+    `buffer.fresh_uses`)."""
+    uses = config.buffer.fresh_uses
+    if uses > 1 and config.train.sync_generate == "every_step":
+        return f"buffer.fresh_uses={uses} with train.sync_generate=every_step"
+    return None
 
 
 def _record_config(run_dir: Path, config: RunConfig, own_code: bool) -> None:

@@ -91,7 +91,8 @@ class RunConfig(Section):
 
 
 def _in_process_searcher_needs_sync(config: RunConfig) -> None:
-    """An in-process searcher (searchers.count=0) generates between steps: the sync mode."""
+    """An in-process searcher (searchers.count=0) generates between steps: the sync mode (which
+    `train.mode=auto` then is)."""
     if config.train.mode == "async" and config.searchers.count == 0:
         raise ValueError("searchers.count=0 (in-process searcher) needs train.mode=sync")
 
@@ -158,7 +159,8 @@ def _fresh_uses_need_generations_that_serve_several_steps(config: RunConfig) -> 
     synchronous mode's `every_step` generates at every step, and the batch takes the newest fresh
     samples first: each step trains on its own new generation, and an older sample is drawn as
     fresh again only to fill a batch that its generation left short (rewards that failed), which
-    replay does as well (`tba.runtime.feed.SyncFeed`, `tba.buffer`)."""
+    replay does as well (`tba.runtime.feed.SyncFeed`, `tba.buffer`). `train.mode=auto` then
+    decides async (`tba.run.with_concrete_mode`)."""
     uses, train = config.buffer.fresh_uses, config.train
     if uses > 1 and train.mode == "sync" and train.sync_generate == "every_step":
         raise ValueError(f"buffer.fresh_uses={uses} has no effect with train.mode=sync and "

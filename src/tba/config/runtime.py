@@ -54,7 +54,8 @@ class SearchersConfig(Section):
 
     count: int = Field(
         1, ge=0, description="searcher processes; 0 runs one searcher inside the trainer "
-        "process, without Ray (sync mode only)",
+        "process, without Ray (sync mode only; train.mode=auto may make the default 0, see "
+        "there)",
     )
     prompts_per_batch: int | None = Field(
         None, ge=1, description="prompts per generation batch of each searcher (async), or "

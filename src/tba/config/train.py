@@ -52,10 +52,15 @@ class TrainSettings(Section):
     # fields for the others), by name.
     _entered_sections: dict[str, Section] = PrivateAttr(default_factory=dict)
 
-    mode: Literal["async", "sync"] = Field(
-        "async",
+    mode: Literal["auto", "async", "sync"] = Field(
+        "auto",
         description="async: searchers never stop, the trainer never waits; "
-        "sync: generate with the latest weights, then train on exactly that",
+        "sync: generate with the latest weights, then train on exactly that; "
+        "`auto`: decided as the run starts, said in one line (config.yaml has the mode decided; "
+        "a resumed run keeps its own): sync where the run computes on the CPU alone, with fewer "
+        "than 4 cores and a model of 50M parameters or more (a searchers.count of 1, its "
+        "default, then becomes 0: the searcher in the trainer's process), or where "
+        "searchers.count=0; else async (docs/asynchrony.md)",
     )
     loss: str = Field(
         DEFAULT_OBJECTIVE, description="objective: `tb` (VarGrad trajectory balance) or a "

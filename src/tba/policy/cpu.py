@@ -1,5 +1,6 @@
 """What this machine's CPU multiplies natively, and the policy's dtype chosen by it
-(`policy.dtype=auto`).
+(`policy.dtype=auto`); how many cores a run has, and the training mode chosen by them and the
+model's size (`train.mode=auto`, `resolve_mode`: see there).
 
 bf16 pays on a CPU only where it has bf16 matrix instructions (AVX512-BF16, or AMX's tiles):
 there a bf16 matrix product runs at up to twice (AVX512-BF16) or many times (AMX) the fp32 rate,
@@ -20,7 +21,9 @@ else fp32:
 from __future__ import annotations
 
 import json
+import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -28,6 +31,16 @@ import torch
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # as /proc/cpuinfo names them
 BF16_MIN_PARAMETERS = 50_000_000
 CPUINFO = Path("/proc/cpuinfo")
+# `train.mode=auto` (`resolve_mode`). On 2 cores SmolLM2-135M-Instruct (134.5M parameters) stepped
+# faster synchronously, the searcher in the trainer's process and each phase on both cores, than
+# with one searcher process on one core and the trainer on the other (5.56 s a step against 6.9,
+# and a better held-out reward after 8 minutes: docs/asynchrony.md): the matrix products of a
+# model that large want every core in each phase. The embedded policies (about 1M parameters)
+# learn faster asynchronously on 2 cores (docs/results/math.md): their steps are short enough
+# that generating beside them pays. From 4 cores the searcher and the trainer each have two
+# cores of their own, so asynchrony is kept there (the measurements above are of 2 cores).
+SYNC_MIN_PARAMETERS = 50_000_000
+ASYNC_MIN_CPUS = 4
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
@@ -114,3 +127,82 @@ def resolve_dtype(
                            f"{BF16_MIN_PARAMETERS / 1e6:.0f}M: bf16 does not pay)")  # fmt: skip
     return "bfloat16", (f"policy.dtype=auto: bfloat16 (this CPU multiplies bf16 natively: "
                         f"{', '.join(native)}; the model has {size})")  # fmt: skip
+
+
+def usable_cpus(ray_num_cpus: int | None = None) -> int:
+    """The CPU cores a run may use: `ray.num_cpus` where it is set, else those this process may
+    run on (its affinity, which a container or `taskset` limits; every core where the OS does
+    not say)."""
+    if ray_num_cpus is not None:
+        return ray_num_cpus
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def resolve_mode(
+    setting: str, searchers: int, searchers_set: bool, devices: Mapping[str, torch.device | str],
+    policy_dir: str | Path, cpus: int, *, elsewhere: str | None = None,
+    async_only: str | None = None,
+) -> tuple[str, int, str | None]:  # fmt: skip
+    """`train.mode` as `async` or `sync`, the searcher processes it runs with (`searchers.count`),
+    and the one line that says why (None where the mode was set: the run's start says it).
+    `auto` is `sync` where the run computes on the CPU alone, the model has
+    `SYNC_MIN_PARAMETERS` or more and the run fewer than `ASYNC_MIN_CPUS` cores, else `async`;
+    synchronous, a `searchers.count` not set (`searchers_set` false) becomes 0: the searcher in
+    the trainer's process, as measured. An explicit `searchers.count=0` is `sync`.
+
+    `searchers`: `searchers.count`; `devices`: each device setting of the run resolved, by its
+    key (`policy.device`, `searchers.device`, ...); `policy_dir`: the policy's local path;
+    `cpus`: the cores the run may use (`usable_cpus`); `elsewhere`: a setting that takes the run
+    beyond one trainer process on this machine's cores (`ray.address=...`,
+    `trainer.world_size=2`), which keeps it asynchronous; `async_only`: a setting that has an
+    effect only asynchronously (the synchronous mode would refuse it), which does too."""
+    if setting != "auto":
+        return setting, searchers, None
+    if searchers == 0:
+        return "sync", 0, ("train.mode=auto: sync (searchers.count=0: the searcher runs in the "
+                           "trainer's process, between its steps)")  # fmt: skip
+    count = parameter_count(policy_dir)
+    why = _why_async(devices, elsewhere, async_only, count, policy_dir, cpus)
+    if why is not None:
+        return "async", searchers, f"train.mode=auto: async ({why})"
+    size = f"{count / 1e6:.1f}M parameters"
+    cores = f"{cpus} CPU {'core' if cpus == 1 else 'cores'}"
+    when = (f"asynchrony pays from {ASYNC_MIN_CPUS} cores, on a GPU or under "
+            f"{SYNC_MIN_PARAMETERS / 1e6:.0f}M parameters")  # fmt: skip
+    if searchers_set:
+        return "sync", searchers, (f"train.mode=auto: sync (the model has {size} and the run "
+                                   f"{cores}: generation, by the searchers.count={searchers} "
+                                   f"searcher processes as set, and training take turns; "
+                                   f"{when})")  # fmt: skip
+    return "sync", 0, (f"train.mode=auto: sync, searchers.count=0 (the model has {size} and the "
+                       f"run {cores}: one process generates and trains, each phase with every "
+                       f"core; {when})")  # fmt: skip
+
+
+def _why_async(
+    devices: Mapping[str, torch.device | str], elsewhere: str | None, async_only: str | None,
+    count: int | None, policy_dir: str | Path, cpus: int,
+) -> str | None:  # fmt: skip
+    """Why `train.mode=auto` is `async` for this run (`resolve_mode`'s arguments, `count`: the
+    model's parameters), or None where it is `sync`."""
+    gpu = next(((key, device) for key, device in devices.items()
+                if torch.device(device).type != "cpu"), None)  # fmt: skip
+    if gpu is not None:
+        return f"{gpu[0]} is {gpu[1]}: off the CPU, generating beside training pays"
+    if elsewhere is not None:
+        return (f"{elsewhere}: auto chooses sync only for one trainer process on this machine's "
+                "cores")  # fmt: skip
+    if async_only is not None:
+        return f"{async_only} has an effect only asynchronously"
+    if count is None:
+        return f"the model's size cannot be read: no safetensors weights in {policy_dir}"
+    if count < SYNC_MIN_PARAMETERS:
+        return (f"the model has {count / 1e6:.1f}M parameters, fewer than "
+                f"{SYNC_MIN_PARAMETERS / 1e6:.0f}M: its steps are short enough that generating "
+                "beside them pays")  # fmt: skip
+    if cpus >= ASYNC_MIN_CPUS:
+        return (f"{cpus} CPU cores: from {ASYNC_MIN_CPUS}, the searchers and the trainer each "
+                "have cores of their own")  # fmt: skip
+    return None
