@@ -31,11 +31,11 @@ import torch
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # as /proc/cpuinfo names them
 BF16_MIN_PARAMETERS = 50_000_000
 CPUINFO = Path("/proc/cpuinfo")
-# `train.mode=auto` (`resolve_mode`). On 2 cores SmolLM2-135M-Instruct (134.5M parameters) stepped
+# `train.mode=auto` (`resolve_mode`). On 2 cores SmolLM2-135M-Instruct (134.5M parameters) learned
 # faster synchronously, the searcher in the trainer's process and each phase on both cores, than
-# with one searcher process on one core and the trainer on the other (5.56 s a step against 6.9,
-# and a better held-out reward after 8 minutes: docs/asynchrony.md): the matrix products of a
-# model that large want every core in each phase. The embedded policies (about 1M parameters)
+# with one searcher process on one core and the trainer on the other (a training-reward target in
+# 2.5 minutes against 6.5, and a better held-out reward after 8 minutes: docs/asynchrony.md): the
+# matrix products of a model that large want every core in each phase. The embedded policies (about 1M parameters)
 # learn faster asynchronously on 2 cores (docs/results/math.md): their steps are short enough
 # that generating beside them pays. From 4 cores the searcher and the trainer each have two
 # cores of their own, so asynchrony is kept there (the measurements above are of 2 cores).
