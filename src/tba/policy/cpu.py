@@ -35,10 +35,11 @@ CPUINFO = Path("/proc/cpuinfo")
 # faster synchronously, the searcher in the trainer's process and each phase on both cores, than
 # with one searcher process on one core and the trainer on the other (a training-reward target in
 # 2.5 minutes against 6.5, and a better held-out reward after 8 minutes: docs/asynchrony.md): the
-# matrix products of a model that large want every core in each phase. The embedded policies (about 1M parameters)
-# learn faster asynchronously on 2 cores (docs/results/math.md): their steps are short enough
-# that generating beside them pays. From 4 cores the searcher and the trainer each have two
-# cores of their own, so asynchrony is kept there (the measurements above are of 2 cores).
+# matrix products of a model that large want every core in each phase. The embedded policies
+# (about 1M parameters) learn faster asynchronously on 2 cores (docs/results/math.md): their
+# steps are short enough that generating beside them pays. From 4 cores the searcher and the
+# trainer each have two cores of their own, so asynchrony is kept there (the measurements above
+# are of 2 cores).
 SYNC_MIN_PARAMETERS = 50_000_000
 ASYNC_MIN_CPUS = 4
 
