@@ -291,7 +291,17 @@ def run_facts(run_dir: Path) -> dict:
     for key, name in (("process_minutes", PROCESS), ("scoring_minutes", SCORING)):
         if (run_dir / name).exists():
             facts[key] = json.loads((run_dir / name).read_text())["seconds"] / 60
+    if (run_dir / SCORING).exists():
+        facts["scored_items"] = json.loads((run_dir / SCORING).read_text())["items"]
     return facts
+
+
+def scored_items(results: dict, default: int) -> str:
+    """How many held-out items the runs of `results` were scored on, as the runs recorded it
+    (`--report` reads runs scored with another `--num-eval`); `default` where none did."""
+    counts = {run["scored_items"] for entry in results.values()
+              for run in entry["runs"].values() if "scored_items" in run}  # fmt: skip
+    return "/".join(str(n) for n in sorted(counts)) if counts else str(default)
 
 
 def time_split(run_dir: Path) -> dict[str, float]:
@@ -426,7 +436,8 @@ def print_main_table(
     evaluation."""
     said = "--target" if args.target is not None else "the highest every mean curve reaches"
     shown = value_text(target, suite.percent) if target is not None else "none above every base"
-    print(f"\n{args.suite}: {suite.label}, {args.num_eval} held-out items; target {shown} "
+    items = scored_items(results, args.num_eval)
+    print(f"\n{args.suite}: {suite.label}, {items} held-out items; target {shown} "
           f"({said})")  # fmt: skip
     print("| method | seeds | base | end (mean ± std) | gain | minutes to target (mean curve) | "
           "per seed | samples to target | cut at the limit: base → end | steps | samples/s |")

@@ -15,7 +15,7 @@ import torch
 from tiny_models import build_model, train_tokenizer
 
 from benchmarks import smollm2
-from benchmarks.heldout import CUT, GreedyScores, mean_and_se
+from benchmarks.heldout import CUT, SCORING, GreedyScores, mean_and_se
 from tba.config import load_config
 from tba.evaluation import EvalSettings
 from tba.policy.cpu import ASYNC_MIN_CPUS, usable_cpus
@@ -128,6 +128,20 @@ def test_the_training_reward_is_a_running_mean_of_the_last_fresh_samples(tmp_pat
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == 4
 
 
+def test_a_runs_facts_keep_the_minutes_and_the_items_it_was_scored_on(tmp_path):
+    run_dir = write_run(tmp_path / "run", [{"step": 0, "time": 0.0}],
+                        {"steps": 3, "samples_per_s": 1.5, "train_minutes": 0.1})  # fmt: skip
+    (run_dir / smollm2.PROCESS).write_text(json.dumps({"seconds": 90.0}))
+    (run_dir / SCORING).write_text(json.dumps({"seconds": 30.0, "items": 128}))
+    facts = smollm2.run_facts(run_dir)
+    assert facts["steps"] == 3 and facts["samples_per_s"] == 1.5
+    assert (facts["process_minutes"], facts["scoring_minutes"]) == (1.5, 0.5)
+    assert facts["scored_items"] == 128
+    results = {"a": {"runs": {"0": facts}}, "b": {"runs": {"0": {}}}}
+    assert smollm2.scored_items(results, 256) == "128"
+    assert smollm2.scored_items({"b": {"runs": {"0": {}}}}, 256) == "256"
+
+
 def curve(values: list[float], minutes_per_point: float, cut: list[float]) -> list[dict]:
     return [{"minutes": i * minutes_per_point, "step": i, "samples": 100 * i, "value": v,
              "metrics": {"eval_pass@1": v, CUT: c, "eval_se": 0.02}}
@@ -141,9 +155,9 @@ def test_the_report_gives_base_end_time_to_a_common_target_and_the_time_split(tm
                for m in (1, 2, 3, 4)]  # fmt: skip
     fast = {"curve": curve([0.10, 0.20, 0.30], 1.0, [0.6, 0.3, 0.1]), "steps": 40,
             "samples_per_s": 2.0, "time_split": split, "train_reward": rewards,
-            "process_minutes": 5.0, "scoring_minutes": 2.0}  # fmt: skip
+            "process_minutes": 5.0, "scoring_minutes": 2.0, "scored_items": 128}  # fmt: skip
     slow = {"curve": curve([0.10, 0.14, 0.22], 1.0, [0.6, 0.5, 0.4]), "steps": 20,
-            "samples_per_s": 1.0}
+            "samples_per_s": 1.0, "scored_items": 128}
     results = {
         "tba-async": {"label": "tba async", "runs": {"0": fast, "1": fast}},
         "trl": {"label": "TRL", "runs": {"0": slow}},
@@ -153,6 +167,8 @@ def test_the_report_gives_base_end_time_to_a_common_target_and_the_time_split(tm
     smollm2.report(results, args, smollm2.SUITES["smollm2-math"])
     out = capsys.readouterr().out.splitlines()
     # The highest level both mean curves reach: TRL's end, 22%; tba gets there at 1.2 minutes.
+    # The items the runs were scored on (128), not this invocation's --num-eval (256).
+    assert out[1].startswith("smollm2-math: ") and ", 128 held-out items; " in out[1]
     assert "target 22.0% (the highest every mean curve reaches)" in out[1]
     tba_rows = [line for line in out if line.startswith("| tba async |")]
     trl_rows = [line for line in out if line.startswith("| TRL |")]
