@@ -320,8 +320,17 @@ class NoRay:
     """What `_signals_wait_for` reads of Ray: nothing."""
 
 
+@pytest.fixture
+def hangup_default():
+    """SIGHUP at its default, whatever started the tests (`nohup` leaves it ignored, and a run
+    keeps it so)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-def test_the_run_s_handlers_are_put_back_after_ray_resets_them_in_c():
+def test_the_run_s_handlers_are_put_back_after_ray_resets_them_in_c(hangup_default):
     libc = ctypes.CDLL(None)
     libc.signal.restype = ctypes.c_void_p
     libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
@@ -343,7 +352,7 @@ def test_a_signal_while_ray_starts_waits_for_it():
         assert stop.aborting and stop.signal == signal.SIGINT
 
 
-def test_sighup_stops_a_run_as_sigterm_does_and_nohup_is_kept(monkeypatch):
+def test_sighup_stops_a_run_as_sigterm_does_and_nohup_is_kept(monkeypatch, hangup_default):
     left = []
     monkeypatch.setattr(tba.interrupts, "leave_terminal", lambda: left.append(True))
     with stop_on_interrupt() as stop:
@@ -378,9 +387,13 @@ def test_after_a_hangup_the_run_prints_to_no_terminal():
         os.close(terminal)
 
 
-def tba_process(args: list[str], env: dict | None = None) -> subprocess.Popen:
+def tba_process(args: list[str], env: dict | None = None, *, hangup_default: bool = False
+                ) -> subprocess.Popen:  # fmt: skip
+    """`tba ARGS` in a session of its own; `hangup_default`: with SIGHUP at its default action,
+    as from a terminal, whatever started the tests (under `nohup` a child inherits it ignored)."""
+    restore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)) if hangup_default else None
     return subprocess.Popen([sys.executable, "-m", "tba.cli", *args], stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
+                            text=True, start_new_session=True, preexec_fn=restore,
                             env=os.environ | {"COLUMNS": "400"} | (env or {}))  # fmt: skip
 
 
@@ -405,7 +418,8 @@ def test_sighup_to_an_asynchronous_run_s_process_group_saves_it(workspace, tmp_p
     """A closed terminal: SIGHUP to the trainer and all it started, once it has taken a step."""
     run = tmp_path / "run"
     process = tba_process(["train", *FAST, *ASYNC, *workspace.task(), f"output_dir={run}",
-                           "train.max_steps=100000", "train.max_minutes=5"])  # fmt: skip
+                           "train.max_steps=100000", "train.max_minutes=5"],
+                          hangup_default=True)  # fmt: skip
     deadline = time.time() + 300
     while time.time() < deadline and not stepped(run) and process.poll() is None:
         time.sleep(0.2)
