@@ -288,11 +288,11 @@ def run_facts(run_dir: Path) -> dict:
     process's minutes and those of scoring it afterwards."""
     facts = run_summary(run_dir) | {"time_split": time_split(run_dir),
                                     "train_reward": reward_series(run_dir)}  # fmt: skip
-    for key, name in (("process_minutes", PROCESS), ("scoring_minutes", SCORING)):
-        if (run_dir / name).exists():
-            facts[key] = json.loads((run_dir / name).read_text())["seconds"] / 60
+    if (run_dir / PROCESS).exists():
+        facts["process_minutes"] = json.loads((run_dir / PROCESS).read_text())["seconds"] / 60
     if (run_dir / SCORING).exists():
-        facts["scored_items"] = json.loads((run_dir / SCORING).read_text())["items"]
+        scoring = json.loads((run_dir / SCORING).read_text())
+        facts |= {"scoring_minutes": scoring["seconds"] / 60, "scored_items": scoring["items"]}
     return facts
 
 

@@ -323,7 +323,7 @@ class NoRay:
 @pytest.fixture
 def hangup_default():
     """SIGHUP at its default, whatever started the tests (`nohup` leaves it ignored, and a run
-    keeps it so)."""
+    keeps it so); a process started meanwhile inherits it."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     yield
     signal.signal(signal.SIGHUP, previous)
@@ -387,13 +387,9 @@ def test_after_a_hangup_the_run_prints_to_no_terminal():
         os.close(terminal)
 
 
-def tba_process(args: list[str], env: dict | None = None, *, hangup_default: bool = False
-                ) -> subprocess.Popen:  # fmt: skip
-    """`tba ARGS` in a session of its own; `hangup_default`: with SIGHUP at its default action,
-    as from a terminal, whatever started the tests (under `nohup` a child inherits it ignored)."""
-    restore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)) if hangup_default else None
+def tba_process(args: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tba.cli", *args], stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, preexec_fn=restore,
+                            text=True, start_new_session=True,
                             env=os.environ | {"COLUMNS": "400"} | (env or {}))  # fmt: skip
 
 
@@ -414,12 +410,12 @@ def test_sigterm_in_an_asynchronous_run_s_final_evaluation(workspace, tmp_path):
 
 
 @pytest.mark.slow
-def test_sighup_to_an_asynchronous_run_s_process_group_saves_it(workspace, tmp_path):
+def test_sighup_to_an_asynchronous_run_s_process_group_saves_it(workspace, tmp_path,
+                                                             hangup_default):
     """A closed terminal: SIGHUP to the trainer and all it started, once it has taken a step."""
     run = tmp_path / "run"
     process = tba_process(["train", *FAST, *ASYNC, *workspace.task(), f"output_dir={run}",
-                           "train.max_steps=100000", "train.max_minutes=5"],
-                          hangup_default=True)  # fmt: skip
+                           "train.max_steps=100000", "train.max_minutes=5"])  # fmt: skip
     deadline = time.time() + 300
     while time.time() < deadline and not stepped(run) and process.poll() is None:
         time.sleep(0.2)
